@@ -1,0 +1,45 @@
+"""One error family. Every message names the file, the tensor (where there is one) and the fix."""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """A failure the user can act on; the CLI prints it without a traceback and exits non-zero."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, file: object = None, tensor: str | None = None, fix: str | None = None):
+        self.file = None if file is None else str(file)
+        self.tensor = tensor
+        self.fix = fix
+        self.message = message
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        where = []
+        if self.file:
+            where.append(f"file {self.file}")
+        if self.tensor:
+            where.append(f"tensor {self.tensor!r}")
+        text = f"{self.message}" + (f" ({', '.join(where)})" if where else "")
+        if self.fix:
+            text += f"\n  fix: {self.fix}"
+        return text
+
+
+class InputError(CkptError):
+    """The checkpoint, index or config being read is malformed or inconsistent."""
+
+
+class PlanError(CkptError):
+    """The requested conversion cannot be planned for this checkpoint (divisibility, unknown keys)."""
+
+
+class OutputError(CkptError):
+    """The destination is unsafe to write (non-empty, inside SRC, too little space)."""
+
+
+class RecipeError(CkptError):
+    """A recipe or --set override is invalid."""
+
+    exit_code = 2

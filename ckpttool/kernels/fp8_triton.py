@@ -1,0 +1,31 @@
+"""Triton FP8 block dequant for CUDA. Imported only when a CUDA tensor is dequantized."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dequant_kernel(x_ptr, s_ptr, y_ptr, M, N, S_COLS, BLOCK: tl.constexpr):
+    pid_m = tl.program_id(axis=0)
+    pid_n = tl.program_id(axis=1)
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    s = tl.load(s_ptr + pid_m * S_COLS + pid_n)
+    tl.store(y_ptr + offs, (x * s).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def dequant(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, block: int) -> torch.Tensor:
+    """The caller (kernels.fp8.dequant_fp8_block) has checked shapes and dtypes."""
+    weight = weight.contiguous()
+    scale = scale.contiguous()
+    rows, cols = weight.shape
+    out = torch.empty((rows, cols), dtype=out_dtype, device=weight.device)
+    grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
+    _dequant_kernel[grid](weight, scale, out, rows, cols, scale.shape[1], BLOCK=block)
+    return out

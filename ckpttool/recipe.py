@@ -1,0 +1,207 @@
+"""YAML recipes: a typed, strict schema (unknown keys are errors naming key and line) + --set overrides.
+
+    name: deepseek-v3-mp8-bf16
+    description: FP8 HF checkpoint -> 8 BF16 model-parallel shards for the reference inference code
+    arch: deepseek_v3
+    stages:
+      - dequant: {dtype: bf16}
+      - shard: {mp: 8}
+    execution: {max_memory: 8GiB}
+
+The commands `dequant`, `shard` and `convert` build the same Recipe in code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ckpttool.errors import RecipeError
+from ckpttool.pipeline import Spec
+
+DTYPE_CODES = {"bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16", "fp32": "F32", "float32": "F32"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DownloadStage(_Strict):
+    revision: Optional[str] = None
+    allow_patterns: Optional[list[str]] = None
+    ignore_patterns: Optional[list[str]] = None
+    max_workers: int = Field(8, ge=1, le=64)
+    verify_sha256: bool = False
+
+
+class DequantStage(_Strict):
+    dtype: Literal["bf16", "bfloat16", "fp16", "float16", "fp32", "float32"] = "bf16"
+
+
+class ShardStage(_Strict):
+    mp: int = Field(ge=1, le=1024)
+
+
+class VerifyStage(_Strict):
+    prompt: Optional[str] = None
+    prompt_ids: Optional[list[int]] = None
+    max_new_tokens: int = Field(4, ge=1, le=4096)
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    dtype: Literal["bfloat16", "float32"] = "float32"
+    reference: Optional[str] = None
+    tolerance: Optional[float] = None
+
+
+class Stage(_Strict):
+    """One list entry: exactly one of these keys."""
+
+    download: Optional[DownloadStage] = None
+    dequant: Optional[DequantStage] = None
+    shard: Optional[ShardStage] = None
+    verify: Optional[VerifyStage] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_key(cls, value):
+        if not isinstance(value, dict) or len(value) != 1:
+            raise ValueError("each stage is a mapping with exactly one key: download, dequant, shard or verify")
+        key, body = next(iter(value.items()))
+        return {key: {} if body is None else body}
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("download", "dequant", "shard", "verify") if getattr(self, k) is not None)
+
+    @property
+    def body(self):
+        return getattr(self, self.kind)
+
+
+class Execution(_Strict):
+    max_memory: str = "4GiB"
+    workers: int = Field(4, ge=1, le=256)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @field_validator("max_memory")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        from ckpttool.runner import parse_size
+
+        if parse_size(v) < (16 << 20):
+            raise ValueError("max_memory must be at least 16MiB")
+        return v
+
+
+class Recipe(_Strict):
+    name: str
+    description: str = ""
+    arch: Literal["auto", "deepseek_v2", "deepseek_v3"] = "auto"
+    mtp: Literal["drop", "keep"] = "drop"
+    stages: list[Stage] = Field(min_length=1)
+    execution: Execution = Execution()
+
+    @model_validator(mode="after")
+    def _order(self) -> "Recipe":
+        kinds = [s.kind for s in self.stages]
+        for kind in set(kinds):
+            if kinds.count(kind) > 1:
+                raise ValueError(f"stage {kind!r} appears {kinds.count(kind)} times; it may appear once")
+        if "download" in kinds and kinds[0] != "download":
+            raise ValueError("the download stage must come first")
+        if "verify" in kinds and kinds[-1] != "verify":
+            raise ValueError("the verify stage must come last")
+        if "verify" in kinds and "shard" not in kinds:
+            raise ValueError("verify loads model-parallel shards: add a shard stage before it")
+        if kinds == ["download"]:
+            raise ValueError("a recipe needs a conversion stage (dequant or shard) after download")
+        return self
+
+    def stage(self, kind: str):
+        return next((s.body for s in self.stages if s.kind == kind), None)
+
+    def spec(self) -> Spec:
+        dq, sh = self.stage("dequant"), self.stage("shard")
+        return Spec(dequant=dq is not None, out_dtype=DTYPE_CODES[dq.dtype] if dq else "BF16",
+                    mp=sh.mp if sh else None, keep_mtp=self.mtp == "keep", arch=self.arch)
+
+
+def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RecipeError(f"cannot read recipe: {exc.strerror}", file=path) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"recipe is not valid YAML: {exc}", file=path) from None
+    if not isinstance(data, dict):
+        raise RecipeError("a recipe is a YAML mapping with name and stages", file=path)
+    for item in overrides:
+        apply_override(data, item, path)
+    return validate_recipe(data, path, text)
+
+
+def validate_recipe(data: dict, source: object = "<recipe>", text: str | None = None) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        line = _line_of(text, err["loc"]) if text else None
+        where = f"{source}" + (f":{line}" if line else "")
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        raise RecipeError(f"{where}: {loc or '(top level)'}: {msg}", fix=_fix_for(err)) from None
+
+
+def _fix_for(err: dict) -> str:
+    if err["type"] == "extra_forbidden":
+        return "remove or correct that key; see README 'Recipe reference' for the allowed keys"
+    return "see README 'Recipe reference'"
+
+
+def _line_of(text: str, loc: tuple) -> int | None:
+    """Line number (1-based) of the YAML node at a pydantic error location, for messages."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+            if match is None:
+                return line
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def apply_override(data: dict, item: str, source: object = "--set") -> None:
+    """`key=value`, `execution.workers=8`, or a stage by name: `shard.mp=4`. Values are YAML."""
+    if "=" not in item:
+        raise RecipeError(f"--set {item!r} is not key=value", fix="e.g. --set shard.mp=4")
+    key, raw = item.split("=", 1)
+    value = yaml.safe_load(raw)
+    parts = key.strip().split(".")
+    stages = data.get("stages") if isinstance(data.get("stages"), list) else []
+    stage = next((s for s in stages if isinstance(s, dict) and parts[0] in s), None)
+    if stage is not None and len(parts) > 1:
+        target = stage
+    else:
+        target = data
+    for p in parts[:-1]:
+        nxt = target.get(p)
+        if nxt is None:
+            nxt = target[p] = {}
+        if not isinstance(nxt, dict):
+            raise RecipeError(f"--set {key}: {p!r} is not a mapping", file=source)
+        target = nxt
+    target[parts[-1]] = value

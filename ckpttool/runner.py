@@ -1,0 +1,99 @@
+"""One conversion end to end: check DST, plan, preflight, execute, publish. Used by every command."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpttool.errors import OutputError
+from ckpttool.execute import execute
+from ckpttool.io.checkpoint import Checkpoint
+from ckpttool.io.writer import PARTIAL_DIR, Staging, check_destination, check_free_space, read_manifest
+from ckpttool.pipeline import Spec, make_plan
+from ckpttool.plan import Plan
+from ckpttool.progress import Progress
+
+
+@dataclass(kw_only=True)
+class ExecOptions:
+    max_memory: int = 4 << 30
+    workers: int = 4
+    device: str = "auto"
+    overwrite: bool = False
+    resume: bool = False
+    quiet: bool = False
+
+
+@dataclass
+class RunResult:
+    plan: Plan
+    dst: Path
+    seconds: float
+    bytes_written: int
+    resumed_from: int = 0  # tensors already done by an earlier, interrupted run
+    already_complete: bool = False
+
+    def summary(self) -> dict:
+        return {
+            "output": str(self.dst),
+            "format": self.plan.format,
+            "files": [f.name for f in self.plan.files],
+            "tensors": self.plan.tensor_count,
+            "bytes_written": self.bytes_written,
+            "seconds": round(self.seconds, 3),
+            "gb_per_s": round(self.bytes_written / max(self.seconds, 1e-9) / 1e9, 3),
+            "resumed_tensors": self.resumed_from,
+            "already_complete": self.already_complete,
+            "plan_hash": self.plan.hash,
+            "notes": self.plan.notes,
+        }
+
+
+def plan_only(src: Path, spec: Spec) -> Plan:
+    with Checkpoint(src) as ckpt:
+        return make_plan(ckpt, spec)
+
+
+def convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions) -> RunResult:
+    src, dst = Path(src), Path(dst)
+    check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)
+    started = time.monotonic()
+    with Checkpoint(src) as ckpt:
+        plan = make_plan(ckpt, spec)
+        if opts.resume and not (dst / PARTIAL_DIR).exists():
+            manifest = read_manifest(dst)
+            if manifest is None or manifest.get("plan_hash") != plan.hash:
+                raise OutputError("--resume: the output here was produced by a different plan", file=dst,
+                                  fix="rerun with the original arguments, or --overwrite to start over")
+            return RunResult(plan, dst, time.monotonic() - started, 0, already_complete=True)
+        dst.mkdir(parents=True, exist_ok=True)
+        staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite)
+        try:
+            staging.open_files()
+            resumed = len(staging.done)
+            todo = sum(p.end - p.start for f in plan.files if f.name not in staging.published
+                       for p in f.tensors if (f.name, p.tensor.name) not in staging.done)
+            check_free_space(dst, todo + (64 << 20))
+            with Progress(todo, "converting", quiet=opts.quiet) as progress:
+                execute(plan, ckpt, staging, max_memory=opts.max_memory, workers=opts.workers,
+                        device=opts.device, progress=progress.advance)
+            staging.publish(src, overwrite=opts.overwrite)
+        finally:
+            staging.close()
+    return RunResult(plan, dst, time.monotonic() - started, todo, resumed_from=resumed)
+
+
+def parse_size(text: str | int) -> int:
+    """'4GiB', '512MB', '8G', or a plain byte count."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+             "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if unit not in units or not num:
+        raise ValueError(f"cannot read {text!r} as a size; use e.g. 4GiB, 512MiB or a byte count")
+    return int(float(num) * units[unit])
+
