@@ -1,0 +1,192 @@
+"""A checkpoint directory: its index, every file's header, config.json, and lazy tensor reads.
+
+Validation happens here, before any weight is read: the index may only name plain relative paths
+to regular files inside the directory, and index and shards must agree tensor for tensor.
+Symlinks are followed, wherever they point: the Hugging Face cache stores every shard as a symlink
+into ../../blobs, and whoever can plant a symlink in the directory already controls its contents.
+What the index *text* says is not trusted the same way (it travels with a download), so `..`,
+absolute paths and odd names there are errors.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ckpttool.errors import InputError
+from ckpttool.io.safetensors import (
+    SafetensorsFile,
+    TensorInfo,
+    check_tensor_name,
+    loads_strict_json,
+    printable,
+    read_bytes,
+    read_header,
+    tensor_from_bytes,
+)
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 256 * 1024 * 1024  # DeepSeek-V3's index is ~9 MB for 92k tensors
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+_FIX_INDEX = "the index is corrupt or hostile; re-download model.safetensors.index.json"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceTensor:
+    """Where an input tensor lives: file name relative to the checkpoint dir, and its header entry."""
+
+    file: str
+    info: TensorInfo
+
+
+class Checkpoint:
+    """Headers of every shard, resolved through the index when there is one. Thread-safe reads."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise InputError("checkpoint directory does not exist", file=self.root,
+                             fix="pass a directory holding *.safetensors (and config.json)")
+        self.files: dict[str, SafetensorsFile] = {}
+        self.tensors: dict[str, SourceTensor] = {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        index_path = self.root / INDEX_NAME
+        if os.path.lexists(index_path):  # a dangling symlink is an error below, not "no index"
+            self._load_indexed(index_path)
+        else:
+            self._load_glob()
+        self.config = self._load_config()
+
+    # -- loading -----------------------------------------------------------------------------------
+    def _load_indexed(self, index_path: Path) -> None:
+        index = _read_json(index_path, "index", MAX_INDEX_BYTES, _FIX_INDEX,
+                           tensor_at=lambda path, key: key if path == ("weight_map",) else None)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise InputError("index has no non-empty weight_map object", file=index_path,
+                             fix="regenerate the index or remove it to use every *.safetensors file")
+        for name, fname in weight_map.items():
+            check_tensor_name(name, index_path)
+            if not isinstance(fname, str):
+                raise InputError(f"weight_map value {_short_repr(fname)} is not a file name", file=index_path,
+                                 tensor=name, fix=_FIX_INDEX)
+        for fname in sorted(set(weight_map.values())):
+            self._add_file(self._safe_relative(fname, index_path))
+        for name, fname in weight_map.items():
+            if name not in self.files[fname].tensors:
+                raise InputError(f"index maps tensor to {fname!r}, which does not hold it", file=self.root / fname,
+                                 tensor=name, fix="the index and shards disagree; re-download the checkpoint")
+        for fname, sf in self.files.items():
+            for name in sf.tensors:
+                mapped = weight_map.get(name)
+                if mapped != fname:
+                    where = "does not map it" if mapped is None else f"maps it to {mapped!r}"
+                    raise InputError(f"tensor is in this shard but the index {where}", file=sf.path, tensor=name,
+                                     fix="the index and shards disagree; regenerate model.safetensors.index.json "
+                                         "or re-download the checkpoint")
+
+    def _load_glob(self) -> None:
+        names = sorted(p.name for p in self.root.glob("*.safetensors"))
+        if not names:
+            raise InputError("no *.safetensors files and no index", file=self.root,
+                             fix="point at the directory that holds the model's safetensors shards")
+        for fname in names:
+            self._add_file(fname)
+
+    def _safe_relative(self, fname: str, index_path: Path) -> str:
+        """A shard name from the index: a relative path of plain components, to a file that exists."""
+        parts = fname.split("/")
+        if (not fname or os.path.isabs(fname) or "\\" in fname or printable(fname) != fname
+                or any(part in ("", ".", "..") for part in parts)):
+            raise InputError(f"index points at {printable(fname)!r}, which is not a plain path inside the checkpoint "
+                             "directory", file=index_path,
+                             fix="the index is corrupt or hostile; shard names must be relative, without '..' or '.'")
+        path = self.root / fname
+        if not path.exists():
+            raise InputError(f"index names shard {fname!r}, which is missing", file=index_path,
+                             fix="finish the download (or re-download) so every shard is present")
+        return fname
+
+    def _add_file(self, fname: str) -> None:
+        sf = read_header(self.root / fname)
+        self.files[fname] = sf
+        for name, info in sf.tensors.items():
+            if name in self.tensors:
+                raise InputError(f"tensor appears in two shards ({self.tensors[name].file} and {fname})",
+                                 file=self.root / fname, tensor=name,
+                                 fix="remove the stray shard or add a model.safetensors.index.json that picks one")
+            self.tensors[name] = SourceTensor(fname, info)
+
+    def _load_config(self) -> dict:
+        path = self.root / "config.json"
+        if not os.path.lexists(path):
+            return {}
+        config = _read_json(path, "config.json", MAX_CONFIG_BYTES,
+                            "fix or re-download config.json (it must be one JSON object)")
+        if not isinstance(config, dict):
+            raise InputError(f"config.json is a JSON {type(config).__name__}, not an object", file=path,
+                             fix="fix or re-download config.json (it must be one JSON object)")
+        return config
+
+    # -- reading -----------------------------------------------------------------------------------
+    def source(self, name: str) -> SourceTensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise InputError("tensor not found in the checkpoint", file=self.root, tensor=name) from None
+
+    def _fd(self, fname: str) -> int:
+        with self._lock:
+            fd = self._fds.get(fname)
+            if fd is None:
+                fd = self._fds[fname] = os.open(self.root / fname, os.O_RDONLY)
+            return fd
+
+    def read(self, name: str) -> torch.Tensor:
+        """Read one tensor into fresh memory (pread; the page cache does the rest)."""
+        src = self.source(name)
+        buf = read_bytes(self._fd(src.file), src.info.start, src.info.nbytes, self.root / src.file)
+        return tensor_from_bytes(buf, src.info.dtype, src.info.shape)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.info.nbytes for t in self.tensors.values())
+
+
+def _short_repr(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _read_json(path: Path, what: str, cap: int, fix: str, *, tensor_at=None) -> object:
+    """Read a small JSON side file strictly: regular file, bounded size, strict JSON."""
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{what} is not a regular file", file=path, fix=fix)
+        if st.st_size > cap:
+            raise InputError(f"{what} is {st.st_size} bytes, over the {cap}-byte cap", file=path, fix=fix)
+        with open(path, "rb") as f:
+            raw = f.read(cap + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read {what}: {exc.strerror or exc}", file=path,
+                         fix="check that it exists and is readable") from None
+    return loads_strict_json(raw, file=path, what=what, fix=fix, tensor_at=tensor_at)
