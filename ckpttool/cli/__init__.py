@@ -6,6 +6,8 @@ import importlib
 import os
 import sys
 
+import click
+
 from ckpttool.cli.app import app
 from ckpttool.errors import CkptError
 
@@ -22,13 +24,23 @@ for _name in OPTIONAL_COMMAND_MODULES:
             raise
 
 
-def main() -> None:
-    """Entry point: CkptError becomes a one-paragraph message and a non-zero exit, no traceback
-    unless CKPTTOOL_DEBUG=1."""
+def main(argv: list[str] | None = None) -> int:
+    """Entry point. CkptError becomes a one-paragraph message and a non-zero exit code, with no
+    traceback unless CKPTTOOL_DEBUG=1. Returns the exit code when called with argv (tests)."""
     try:
-        app()
+        code = app(args=argv, prog_name="ckpttool", standalone_mode=False)
+    except click.ClickException as exc:
+        exc.show()
+        code = exc.exit_code
+    except click.Abort:
+        print("aborted", file=sys.stderr)
+        code = 130
     except CkptError as exc:
         if os.environ.get("CKPTTOOL_DEBUG") == "1":
             raise
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+        code = exc.exit_code
+    code = code if isinstance(code, int) else 0
+    if argv is None:
+        sys.exit(code)
+    return code

@@ -1,0 +1,5 @@
+"""`python -m ckpttool` (also what `torchrun -m ckpttool` runs)."""
+
+from ckpttool.cli import main
+
+main()

@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny real checkpoints (built once per session) and the reference seeds."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ckpttool.demo import build_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+SEEDS = REPO.parent / "shared" / "seeds" / "deepseek_v3_inference"
+
+
+@pytest.fixture(scope="session")
+def tiny_v3(tmp_path_factory) -> Path:
+    """FP8 DeepSeek-V3 layout with one MTP layer, scales beside their weights."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-v3", "tiny-v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_v3_no_mtp(tmp_path_factory) -> Path:
+    """Like tiny_v3 without MTP and with every scale in the last shard, away from its weight."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-v3-no-mtp", "tiny-v3", seed=1,
+                            overrides={"num_nextn_predict_layers": 0}, scales_in_last_file=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_v2_lite(tmp_path_factory) -> Path:
+    """BF16 DeepSeek-V2-Lite layout (no q_lora, softmax gate, no correction bias)."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-v2-lite", "tiny-v2-lite", seed=2)
+
+
+def run_cli(*args: object, check: bool = True) -> subprocess.CompletedProcess:
+    """The CLI in-process (fast): real argument parsing, real exit code, captured stdout/stderr."""
+    from ckpttool.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    proc = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"ckpttool {' '.join(map(str, args))} exited {code}\n{proc.stderr}")
+    return proc
+
+
+def run_cli_process(*args: object, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The real console entry point in a subprocess: for exit codes and tracebacks as users see them."""
+    return subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def load_dir(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """{file name: {tensor name: tensor}} for every safetensors file in a directory."""
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out[f.name] = {k: h.get_tensor(k) for k in h.keys()}
+    return out
+
+
+def assert_same_tensors(ours: dict, ref: dict) -> None:
+    """Key for key, dtype for dtype, bit for bit."""
+    assert sorted(ours) == sorted(ref), f"files differ: {sorted(ours)} vs {sorted(ref)}"
+    for fname in ref:
+        assert sorted(ours[fname]) == sorted(ref[fname]), f"keys differ in {fname}: " \
+            f"{sorted(set(ours[fname]) ^ set(ref[fname]))[:5]}"
+        for key, r in ref[fname].items():
+            o = ours[fname][key]
+            assert o.dtype == r.dtype and o.shape == r.shape, f"{fname}:{key} {o.dtype}{list(o.shape)} vs {r.dtype}{list(r.shape)}"
+            assert torch.equal(o.contiguous().view(torch.uint8), r.contiguous().view(torch.uint8)), f"{fname}:{key} bits differ"
