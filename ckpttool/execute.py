@@ -19,7 +19,8 @@ from ckpttool.io.writer import Staging
 from ckpttool.kernels.fp8 import dequant_fp8_block
 from ckpttool.plan import PlacedTensor, Plan
 
-COMMIT_EVERY_BYTES = 1 << 30
+# Journal granularity: work done since the last commit is redone after a crash.
+COMMIT_EVERY_BYTES = int(os.environ.get("CKPTTOOL_JOURNAL_BYTES", 1 << 30))
 COMMIT_EVERY_SECONDS = 2.0
 
 

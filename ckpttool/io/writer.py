@@ -12,7 +12,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckpttool import __version__
+from ckpttool import __version__, faults
 from ckpttool.errors import OutputError
 from ckpttool.plan import Plan
 
@@ -122,6 +122,7 @@ class Staging:
 
     def pwrite(self, file: str, data, offset: int) -> None:
         try:
+            faults.point("pwrite")
             _pwrite_all(self.fds[file], data, offset)
         except OSError as exc:
             raise disk_error(exc, self.dir / file) from None
@@ -130,6 +131,7 @@ class Staging:
         """Make written tensors durable, then record them: the journal never runs ahead of the data."""
         for file in sorted({f for f, _ in entries}):
             os.fdatasync(self.fds[file])
+        faults.point("commit")
         self._journal.write(b"".join(json.dumps({"f": f, "t": t}).encode() + b"\n" for f, t in entries))
         self._journal.flush()
         os.fsync(self._journal.fileno())
@@ -148,6 +150,7 @@ class Staging:
             if f.name in self.published:
                 continue
             os.fsync(self.fds[f.name])
+            faults.point("publish")
             os.replace(self.dir / f.name, self.dst / f.name)
             self._journal.write(json.dumps({"published": f.name}).encode() + b"\n")
             self._journal.flush()
@@ -163,6 +166,7 @@ class Staging:
                           (json.dumps(self.plan.index, indent=2) + "\n").encode())
             aux.append("model.safetensors.index.json")
         for name in self.plan.copies:
+            faults.point("publish")
             _atomic_write(self.dst / name, (src / name).read_bytes())
             aux.append(name)
         names = [f.name for f in self.plan.files] + aux
@@ -175,6 +179,7 @@ class Staging:
             "format": self.plan.format,
             "files": {n: {"size": (self.dst / n).stat().st_size, "sha256": digests[n]} for n in names},
         }
+        faults.point("manifest")
         _atomic_write(self.dst / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
         if previous:  # --overwrite: shards of an earlier ckpttool run that this one did not produce
             for stale in set(previous.get("files", {})) - set(names):

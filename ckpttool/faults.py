@@ -1,0 +1,30 @@
+"""Failpoints for crash-safety tests: CKPTTOOL_FAULT=point:n[:action] makes the n-th hit of a named
+point kill the process (action `kill`, the default: SIGKILL, no cleanup) or raise ENOSPC (`enospc`).
+Unset, each point costs one dict lookup."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import threading
+
+_spec = os.environ.get("CKPTTOOL_FAULT")
+_target = None
+if _spec:
+    _name, _n, *_action = _spec.split(":")
+    _target = (_name, int(_n), _action[0] if _action else "kill")
+_counts: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def point(name: str) -> None:
+    if _target is None or _target[0] != name:
+        return
+    with _lock:
+        _counts[name] = _counts.get(name, 0) + 1
+        hit = _counts[name] == _target[1]
+    if hit and _target[2] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if hit and _target[2] == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
