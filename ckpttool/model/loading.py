@@ -1,0 +1,158 @@
+"""Strict weight loading: every parameter present, nothing extra, shapes equal, dtypes compatible.
+
+Two sources: one `model{rank}-mp{N}.safetensors` (reference mp names, already sliced), or an HF
+checkpoint directory loaded whole at mp=1 (HF names mapped through arch.deepseek.KEY_TABLE; MTP
+layers, which the model does not have, are skipped).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ckpttool.arch.deepseek import EXPERT, KEY_TABLE, layer_index
+from ckpttool.errors import InputError
+from ckpttool.io.checkpoint import Checkpoint
+from ckpttool.io.safetensors import TensorInfo, read_bytes, read_header, tensor_from_bytes
+from ckpttool.kernels.fp8 import dequant_fp8_block
+from ckpttool.model.parallel import Linear, ParallelContext
+
+_FLOAT_FILE_DTYPES = {"BF16", "F16", "F32"}
+_FP8_FILE_DTYPES = {"F8_E4M3"}
+_MAX_LISTED = 8
+
+
+def mp_file_name(rank: int, world_size: int) -> str:
+    return f"model{rank}-mp{world_size}.safetensors"
+
+
+def load_mp_shard(model: nn.Module, path: Path) -> None:
+    """Load one reference-layout shard into `model`, checking it against the model's parameters."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError("model-parallel shard is missing", file=path,
+                         fix="convert again with the same --mp, or pass the directory that holds every rank's file")
+    header = read_header(path)
+    params = dict(model.named_parameters())
+    _check_tensors(params, {name: (name, info) for name, info in header.tensors.items()}, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for name, param in params.items():
+            info = header.tensors[name]
+            param.data.copy_(tensor_from_bytes(read_bytes(fd, info.start, info.nbytes, path), info.dtype, info.shape))
+    finally:
+        os.close(fd)
+
+
+def load_hf_checkpoint(model: nn.Module, directory: Path, n_layers: int) -> None:
+    """Load a whole HF DeepSeek checkpoint into an mp=1 model; MTP layers (>= n_layers) are skipped."""
+    with Checkpoint(directory) as ckpt:
+        params = dict(model.named_parameters())
+        wanted = {hf_name(name): name for name in params}
+        available: dict[str, tuple[str, TensorInfo]] = {}
+        for hf, src in ckpt.tensors.items():
+            layer = layer_index(hf)
+            if layer is not None and layer >= n_layers:
+                continue  # multi-token-prediction layers are not part of the model
+            available[wanted.get(hf, hf)] = (hf, src.info)
+        _check_tensors(params, available, directory)
+        for name, param in params.items():
+            param.data.copy_(ckpt.read(hf_name(name)))
+
+
+def weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, n_layers: int,
+                       shard: Path, limit: int = _MAX_LISTED) -> list[str]:
+    """Compare every loaded weight with its slice of the reference HF checkpoint, as dense values
+    (FP8 dequantized on either side). A lossless conversion makes them equal; returns what differs."""
+    problems = []
+    with Checkpoint(reference) as ckpt:
+        for module_name, module in model.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                if param_name == "scale":
+                    continue  # compared through its weight's dequantized values
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                mine = module.dense_weight() if isinstance(module, Linear) else param
+                hf, split = hf_name_and_split(name)
+                if hf not in ckpt.tensors:
+                    problems.append(f"{name}: the reference has no {hf!r}")
+                    continue
+                theirs = ckpt.read(hf)
+                if hf + "_scale_inv" in ckpt.tensors:
+                    theirs = dequant_fp8_block(theirs, ckpt.read(hf + "_scale_inv"))
+                if isinstance(split, int) and ctx.world_size > 1:
+                    part = theirs.shape[split] // ctx.world_size
+                    theirs = theirs.narrow(split, ctx.rank * part, part)
+                theirs = theirs.to(mine.device, mine.dtype)
+                if theirs.shape != mine.shape:
+                    problems.append(f"tensor {name!r} in {shard.name} has shape {list(mine.shape)}, its slice of "
+                                    f"{hf!r} has {list(theirs.shape)}")
+                elif not torch.equal(mine, theirs):
+                    diff = float((mine.float() - theirs.float()).abs().max())
+                    problems.append(f"tensor {name!r} in {shard.name} differs from its slice of reference {hf!r} "
+                                    f"(max abs diff {diff:.3g})")
+                if len(problems) >= limit:
+                    return problems
+    return problems
+
+
+def _check_tensors(params: dict[str, nn.Parameter], found: dict[str, tuple[str, TensorInfo]], where: Path) -> None:
+    """`found` maps model parameter name -> (name in the file, header entry). Raises one InputError
+    listing every problem, naming the first tensor."""
+    problems: list[tuple[str, str]] = []
+    for name in sorted(params.keys() - found.keys()):
+        problems.append((name, f"missing tensor {name!r}"))
+    for name in sorted(found.keys() - params.keys()):
+        problems.append((found[name][0], f"unexpected tensor {found[name][0]!r}"))
+    for name in sorted(params.keys() & found.keys()):
+        file_name, info = found[name]
+        param = params[name]
+        if tuple(info.shape) != tuple(param.shape):
+            problems.append((file_name, f"tensor {file_name!r} has shape {list(info.shape)}, "
+                                        f"the model expects {list(param.shape)}"))
+        elif param.dtype == torch.float8_e4m3fn and info.dtype not in _FP8_FILE_DTYPES:
+            problems.append((file_name, f"tensor {file_name!r} is {info.dtype}, but config.json declares FP8 "
+                                        "weights (quantization_config)"))
+        elif param.dtype != torch.float8_e4m3fn and info.dtype not in _FLOAT_FILE_DTYPES:
+            problems.append((file_name, f"tensor {file_name!r} is {info.dtype}, the model expects a "
+                                        "BF16/F16/F32 tensor" + (" (config.json has no quantization_config)"
+                                                                 if info.dtype in _FP8_FILE_DTYPES else "")))
+    if not problems:
+        return
+    listed = "; ".join(text for _, text in problems[:_MAX_LISTED])
+    more = f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+    raise InputError(f"{len(problems)} problem(s) loading weights: {listed}{more}", file=where,
+                     tensor=problems[0][0],
+                     fix="the files do not match config.json and this --mp; re-run the conversion into an empty "
+                         "directory and copy its config.json beside the shards")
+
+
+# -- native (reference mp) name -> HF name ----------------------------------------------------------
+_TEMPLATES = {native: (hf, split) for hf, native, split in KEY_TABLE}
+
+
+def hf_name(native: str) -> str:
+    """`layers.3.ffn.experts.7.w1.scale` -> `model.layers.3.mlp.experts.7.gate_proj.weight_scale_inv`."""
+    return hf_name_and_split(native)[0]
+
+
+def hf_name_and_split(native: str) -> tuple[str, object]:
+    """The HF name of a model parameter and how convert splits it: a dim, EXPERT or None."""
+    parts = native.split(".")
+    values: dict[str, str] = {}
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+        values["layer"], parts[1] = parts[1], "{layer}"
+    for i in range(1, len(parts) - 1):
+        if parts[i - 1] == "experts" and parts[i].isdigit():
+            values["expert"], parts[i] = parts[i], "{expert}"
+    is_scale = parts[-1] == "scale"
+    if is_scale:
+        parts[-1] = "weight"
+    row = _TEMPLATES.get(".".join(parts))
+    if row is None:
+        raise KeyError(f"no HF name for model parameter {native!r}")  # a model/table mismatch: a bug here
+    hf = row[0].format(**values)
+    split = None if row[1] == EXPERT else row[1]
+    return (hf + "_scale_inv" if is_scale else hf), split
