@@ -1,9 +1,14 @@
-"""Execute a Plan: a worker pool under a memory budget reads each input tensor once, transforms it
-and pwrites every output piece made from it. Memory is bounded by tensors in flight, not model size.
+"""Execute a Plan with memory bounded by chunks in flight, never by tensor or model size.
+
+A task is one input tensor (plus its scale) and every output piece made from it. The task streams
+its source in runs of dim-0 rows: read the rows, transform them (FP8/MXFP4 dequant, on CPU or
+CUDA), and pwrite each piece's share of them at its planned offset. Rows no remaining piece needs
+are never read, so a resumed or distributed run reads only what it writes.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -14,14 +19,15 @@ import torch
 
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
-from ckpttool.io.safetensors import DTYPES, itemsize
+from ckpttool.io.safetensors import DTYPES, itemsize, read_bytes, tensor_from_bytes
 from ckpttool.io.writer import Staging
-from ckpttool.kernels.fp8 import dequant_fp8_block
 from ckpttool.plan import PlacedTensor, Plan
+from ckpttool.transforms import TRANSFORMS
 
 # Journal granularity: work done since the last commit is redone after a crash.
 COMMIT_EVERY_BYTES = int(os.environ.get("CKPTTOOL_JOURNAL_BYTES", 1 << 30))
 COMMIT_EVERY_SECONDS = 2.0
+CHUNK_BYTES = 64 << 20  # output bytes per streamed run of rows
 
 
 @dataclass(slots=True)
@@ -29,35 +35,56 @@ class Task:
     """All output pieces made from one input tensor (and its scale): read once, write many."""
 
     source: str
+    transform: str | None
     scale: str | None
     out_dtype: str
     pieces: list[tuple[str, PlacedTensor]] = field(default_factory=list)  # (output file, placement)
 
-    def memory(self, ckpt: Checkpoint) -> int:
-        src = ckpt.source(self.source).info
-        numel = src.nbytes // itemsize(src.dtype)
-        need = src.nbytes
-        if self.scale is not None:
-            need += ckpt.source(self.scale).info.nbytes + numel * (itemsize(self.out_dtype) + 4)
-        return need + max(p.end - p.start for _, p in self.pieces)
+    def rows(self, ckpt: Checkpoint) -> int:
+        """dim-0 length; a scalar counts as one row."""
+        shape = ckpt.source(self.source).info.shape
+        return shape[0] if shape else 1
+
+    def chunk_rows(self, ckpt: Checkpoint, chunk_bytes: int = CHUNK_BYTES) -> int:
+        info = ckpt.source(self.source).info
+        align = TRANSFORMS[self.transform].row_align if self.transform else 1
+        if self.transform:
+            out_row = TRANSFORMS[self.transform].out_per_source_row(info.shape) * itemsize(self.out_dtype)
+        else:
+            out_row = math.prod(info.shape[1:]) * itemsize(info.dtype)
+        rows = max(1, chunk_bytes // max(out_row, 1)) // align * align
+        return max(align, rows)
+
+    def memory(self, ckpt: Checkpoint, chunk_bytes: int = CHUNK_BYTES) -> int:
+        """Peak bytes one run of rows needs: the source rows, the transformed rows (and the fp32
+        temporary of a dequant), and one contiguous piece copy."""
+        info = ckpt.source(self.source).info
+        rows = min(self.chunk_rows(ckpt, chunk_bytes), self.rows(ckpt))
+        src = info.nbytes // max(self.rows(ckpt), 1) * rows
+        if self.transform is None:
+            return 2 * src
+        out = TRANSFORMS[self.transform].out_per_source_row(info.shape) * rows
+        scale = ckpt.source(self.scale).info.nbytes if self.scale else 0
+        return src + scale + out * (2 * itemsize(self.out_dtype) + 4)
 
     @property
     def nbytes_out(self) -> int:
         return sum(p.end - p.start for _, p in self.pieces)
 
 
-def make_tasks(plan: Plan, done: set[tuple[str, str]], published: set[str]) -> list[Task]:
+def make_tasks(plan: Plan, done: set[tuple[str, str]], published: set[str],
+               files: set[str] | None = None) -> list[Task]:
+    """Group the pieces still to write (optionally only those of `files`) by what they are made from."""
     tasks: dict[tuple, Task] = {}
     for f in plan.files:
-        if f.name in published:
+        if f.name in published or (files is not None and f.name not in files):
             continue
         for p in f.tensors:
             if (f.name, p.tensor.name) in done:
                 continue
             t = p.tensor
-            key = (t.source, t.scale, t.dtype if t.scale else None)
-            tasks.setdefault(key, Task(t.source, t.scale, t.dtype)).pieces.append((f.name, p))
-    # input order: sequential reads through each input file, page-cache friendly
+            key = (t.source, t.transform, t.scale, t.dtype if t.transform else None)
+            tasks.setdefault(key, Task(t.source, t.transform, t.scale, t.dtype)).pieces.append((f.name, p))
     return list(tasks.values())
 
 
@@ -91,33 +118,90 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def run_task(task: Task, ckpt: Checkpoint, staging: Staging, device: torch.device) -> list[tuple[str, str]]:
-    x = ckpt.read(task.source)
-    if task.scale is not None:
-        scale = ckpt.read(task.scale)
-        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-            src = ckpt.source(task.scale)
-            raise InputError("scale holds non-finite or non-positive values", file=ckpt.root / src.file,
-                             tensor=task.scale, fix="the checkpoint is corrupt; re-download this shard")
-        out_dtype = DTYPES[task.out_dtype][0]
-        if device.type == "cuda":
-            x = dequant_fp8_block(x.to(device, non_blocking=True), scale.to(device), out_dtype).cpu()
-        else:
-            x = dequant_fp8_block(x, scale, out_dtype)
-    written = []
+def read_rows(ckpt: Checkpoint, name: str, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of dim 0 (the whole tensor for a scalar): one contiguous byte range."""
+    src = ckpt.source(name)
+    info = src.info
+    if not info.shape:
+        return ckpt.read(name)
+    row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+    buf = read_bytes(ckpt.fd(src.file), info.start + r0 * row_bytes, (r1 - r0) * row_bytes, ckpt.root / src.file)
+    return tensor_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
+
+
+def _needed_rows(task: Task, n_rows: int) -> tuple[int, int]:
+    lo, hi = n_rows, 0
+    for _, p in task.pieces:
+        nar = p.tensor.narrow
+        a, b = (nar[1], nar[1] + nar[2]) if nar is not None and nar[0] == 0 else (0, n_rows)
+        lo, hi = min(lo, a), max(hi, b)
+    return lo, hi
+
+
+def _check_scale_values(ckpt: Checkpoint, name: str, scale: torch.Tensor) -> None:
+    if scale.is_floating_point() and (not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all())):
+        raise InputError("scale holds non-finite or non-positive values", file=ckpt.root / ckpt.source(name).file,
+                         tensor=name, fix="the checkpoint is corrupt; re-download this shard")
+
+
+def run_task(task: Task, ckpt: Checkpoint, staging: Staging, device: torch.device,
+             chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, str]]:
+    n_rows = task.rows(ckpt)
+    lo, hi = _needed_rows(task, n_rows)
+    transform = TRANSFORMS[task.transform] if task.transform else None
+    if transform is not None:
+        align = transform.row_align
+        lo = lo // align * align
+    scale_full = None
+    if task.scale is not None and transform is not None and transform.name == "fp8_block":
+        scale_full = ckpt.read(task.scale)  # tiny: one float per 128x128 block
+        _check_scale_values(ckpt, task.scale, scale_full)
+    step = task.chunk_rows(ckpt, chunk_bytes)
+    out_dtype = DTYPES[task.out_dtype][0]
+    scalar = not ckpt.source(task.source).info.shape
+    for r0 in range(lo, hi, step):
+        r1 = min(r0 + step, hi)
+        x = ckpt.read(task.source) if scalar else read_rows(ckpt, task.source, r0, r1)
+        if transform is not None:
+            s0, s1 = transform.scale_rows(r0, r1)
+            scale = scale_full[s0:s1] if scale_full is not None else read_rows(ckpt, task.scale, s0, s1)
+            if device.type == "cuda":
+                x = transform.apply(x.to(device, non_blocking=True), scale.to(device, non_blocking=True),
+                                    out_dtype).cpu()
+            else:
+                x = transform.apply(x, scale, out_dtype)
+        _write_rows(task, x, r0, r1, staging)
+    return [(file, placed.tensor.name) for file, placed in task.pieces]
+
+
+def _write_rows(task: Task, x: torch.Tensor, r0: int, r1: int, staging: Staging) -> None:
+    """Each piece's share of rows [r0, r1) of the (transformed) source, at its planned offset."""
     for file, placed in task.pieces:
-        y = x if placed.tensor.narrow is None else x.narrow(*placed.tensor.narrow)
+        t = placed.tensor
+        row_bytes = (placed.end - placed.start) // t.shape[0] if t.shape and t.shape[0] else 0
+        nar = t.narrow
+        if not x.dim():
+            y, offset = x, placed.start
+        elif nar is None:
+            y, offset = x, placed.start + r0 * row_bytes
+        elif nar[0] == 0:
+            a, b = max(r0, nar[1]), min(r1, nar[1] + nar[2])
+            if a >= b:
+                continue
+            y, offset = x[a - r0: b - r0], placed.start + (a - nar[1]) * row_bytes
+        else:
+            y, offset = x.narrow(*nar), placed.start + r0 * row_bytes
         y = y.contiguous()
-        staging.pwrite(file, y.reshape(-1).view(torch.uint8).numpy(), placed.start)
-        written.append((file, placed.tensor.name))
-    return written
+        if y.numel():
+            staging.pwrite(file, y.reshape(-1).view(torch.uint8).numpy(), offset)
 
 
 def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, workers: int,
-            device: str = "auto", progress=None) -> None:
+            device: str = "auto", progress=None, files: set[str] | None = None,
+            chunk_bytes: int = CHUNK_BYTES) -> None:
     """Run every task not yet in the journal; commit (fdatasync + journal) in batches."""
     dev = resolve_device(device)
-    tasks = make_tasks(plan, staging.done, staging.published)
+    tasks = make_tasks(plan, staging.done, staging.published, files)
     budget = MemoryBudget(max_memory)
     pending: list[tuple[str, str]] = []
     pending_bytes = 0
@@ -141,14 +225,17 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
             pending.clear()
             pending_bytes, last_commit = 0, time.monotonic()
 
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":  # share the cores between workers instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool") as pool:
         try:
             for task in tasks:
-                need = task.memory(ckpt)
+                need = task.memory(ckpt, chunk_bytes)
                 while in_flight and (len(in_flight) >= workers * 2 or budget.used + min(need, budget.limit) > budget.limit):
                     reap(block=True)
                 held = budget.acquire(need)
-                in_flight[pool.submit(run_task, task, ckpt, staging, dev)] = (task, held)
+                in_flight[pool.submit(run_task, task, ckpt, staging, dev, chunk_bytes)] = (task, held)
                 reap(block=False)
             while in_flight:
                 reap(block=True)
@@ -157,6 +244,7 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
                 fut.cancel()
             raise
         finally:
+            torch.set_num_threads(threads)
             # whatever finished cleanly is durable and journalled, so --resume skips it
             for fut, (task, _) in list(in_flight.items()):
                 if fut.done() and not fut.cancelled() and fut.exception() is None:

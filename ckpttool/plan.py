@@ -27,12 +27,17 @@ class TensorPlan:
     shape: tuple[int, ...]
     source: str
     """input tensor name whose bytes this tensor is made from"""
+    transform: str | None = None
+    """name in ckpttool.transforms.TRANSFORMS applied to `source` (with `scale`), e.g. fp8_block"""
     scale: str | None = None
-    """input FP8 block scale: dequantize `source` with it (dtype then says to what)"""
+    """input tensor the transform needs beside `source` (FP8 block scales, MXFP4 exponents)"""
     narrow: tuple[int, int, int] | None = None
     """(dim, start, length) cut from the (dequantized) source"""
     file: str | None = None
     """output file; stages may set it (HF layout keeps the input file), layout() requires it"""
+    parts: tuple[tuple[str, str], ...] = ()
+    """merge: (input file, tensor) pieces, concatenated along `concat_dim`, that make this tensor"""
+    concat_dim: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -90,7 +95,7 @@ class Plan:
             "inputs": self.inputs,
             "files": [
                 {"name": f.name, "size": f.size, "header_bytes": len(f.header),
-                 "tensors": [dict(asdict(p.tensor), start=p.start, end=p.end) for p in f.tensors]}
+                 "tensors": [dict(_tensor_json(p.tensor), start=p.start, end=p.end) for p in f.tensors]}
                 for f in self.files
             ],
             "index": self.index,
@@ -104,6 +109,13 @@ class Plan:
         body = self.to_json()
         body.pop("src")  # the same conversion of a moved checkpoint is the same plan
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _tensor_json(t: TensorPlan) -> dict:
+    body = asdict(t)
+    if not t.parts:  # only merge plans have parts: other plans (and their hashes) read as before
+        del body["parts"], body["concat_dim"]
+    return body
 
 
 def build_header(tensors: list[TensorPlan], metadata: dict[str, str]) -> tuple[bytes, list[PlacedTensor]]:

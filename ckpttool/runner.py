@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool.errors import OutputError
-from ckpttool.execute import execute
+from ckpttool.execute import CHUNK_BYTES, execute
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.writer import PARTIAL_DIR, Staging, check_destination, check_free_space, read_manifest
 from ckpttool.pipeline import Spec, make_plan
@@ -23,6 +23,7 @@ class ExecOptions:
     overwrite: bool = False
     resume: bool = False
     quiet: bool = False
+    chunk_bytes: int = CHUNK_BYTES  # output bytes per streamed run of rows
 
 
 @dataclass
@@ -77,7 +78,7 @@ def convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions) -> RunResult:
             check_free_space(dst, todo + (64 << 20))
             with Progress(todo, "converting", quiet=opts.quiet) as progress:
                 execute(plan, ckpt, staging, max_memory=opts.max_memory, workers=opts.workers,
-                        device=opts.device, progress=progress.advance)
+                        device=opts.device, progress=progress.advance, chunk_bytes=opts.chunk_bytes)
             staging.publish(src, overwrite=opts.overwrite)
         finally:
             staging.close()

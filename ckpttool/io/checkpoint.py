@@ -148,6 +148,10 @@ class Checkpoint:
                 fd = self._fds[fname] = os.open(self.root / fname, os.O_RDONLY)
             return fd
 
+    def fd(self, fname: str) -> int:
+        """A read-only descriptor for one shard, opened once and shared (pread is thread-safe)."""
+        return self._fd(fname)
+
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor into fresh memory (pread; the page cache does the rest)."""
         src = self.source(name)

@@ -38,6 +38,6 @@ def dequant(tensors: list[TensorPlan], out_dtype: str = "BF16") -> list[TensorPl
         if t.name.endswith(SCALE_SUFFIX):
             continue
         if t.dtype in FP8_DTYPES:
-            t = t.with_(dtype=out_dtype, scale=t.source + SCALE_SUFFIX)
+            t = t.with_(dtype=out_dtype, transform="fp8_block", scale=t.source + SCALE_SUFFIX)
         out.append(t)
     return out
