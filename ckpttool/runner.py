@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpttool.errors import OutputError
+from ckpttool.distributed import Group, assign_files, world
+from ckpttool.errors import CkptError, OutputError
 from ckpttool.execute import CHUNK_BYTES, execute
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.writer import PARTIAL_DIR, Staging, check_destination, check_free_space, read_manifest
@@ -57,32 +58,81 @@ def plan_only(src: Path, spec: Spec) -> Plan:
 
 
 def convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions) -> RunResult:
+    """Plan and execute one conversion. Under torchrun each rank writes its share of the files;
+    rank 0 sets up the staging directory and publishes, and the result is byte-identical."""
     src, dst = Path(src), Path(dst)
-    check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)
+    rank, world_size = world()
+    group = Group(rank, world_size)
+    try:
+        return _convert(src, dst, spec, opts, group)
+    finally:
+        group.close()
+
+
+def _convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions, group: Group) -> RunResult:
     started = time.monotonic()
     with Checkpoint(src) as ckpt:
-        plan = make_plan(ckpt, spec)
-        if opts.resume and not (dst / PARTIAL_DIR).exists():
-            manifest = read_manifest(dst)
-            if manifest is None or manifest.get("plan_hash") != plan.hash:
-                raise OutputError("--resume: the output here was produced by a different plan", file=dst,
-                                  fix="rerun with the original arguments, or --overwrite to start over")
-            return RunResult(plan, dst, time.monotonic() - started, 0, already_complete=True)
-        dst.mkdir(parents=True, exist_ok=True)
-        staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite)
+        staging, setup_error, complete = None, None, False
+        plan = None
         try:
-            staging.open_files()
+            if group.rank == 0:
+                check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)
+            plan = make_plan(ckpt, spec)
+            if group.rank == 0:
+                complete = _already_complete(dst, plan, opts)
+                if not complete:
+                    dst.mkdir(parents=True, exist_ok=True)
+                    staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite)
+        except CkptError as exc:
+            setup_error = exc
+        group.share_outcome(setup_error)
+        if complete or (group.world_size > 1 and _already_complete_shared(dst, plan, opts)):
+            return RunResult(plan, dst, time.monotonic() - started, 0, already_complete=True)
+        if staging is None:  # a rank > 0 joins what rank 0 set up
+            staging = Staging(dst, plan, resume=True, rank=group.rank)
+        mine = assign_files(plan, group.world_size)[group.rank] if group.world_size > 1 else None
+        ok = False
+        try:
+            staging.open_files(mine)
             resumed = len(staging.done)
             todo = sum(p.end - p.start for f in plan.files if f.name not in staging.published
+                       and (mine is None or f.name in mine)
                        for p in f.tensors if (f.name, p.tensor.name) not in staging.done)
-            check_free_space(dst, todo + (64 << 20))
-            with Progress(todo, "converting", quiet=opts.quiet) as progress:
+            if group.rank == 0:
+                check_free_space(dst, todo + (64 << 20))
+            label = "converting" if group.world_size == 1 else f"rank {group.rank}/{group.world_size}"
+            with Progress(todo, label, quiet=opts.quiet) as progress:
                 execute(plan, ckpt, staging, max_memory=opts.max_memory, workers=opts.workers,
-                        device=opts.device, progress=progress.advance, chunk_bytes=opts.chunk_bytes)
-            staging.publish(src, overwrite=opts.overwrite)
+                        device=opts.device, progress=progress.advance, files=mine, chunk_bytes=opts.chunk_bytes)
+            ok = True
+        finally:
+            staging.close_files()
+            everyone_ok = group.all_ok(ok)
+        try:
+            if not everyone_ok:
+                raise OutputError("another rank failed; this rank's work is journalled", file=dst / PARTIAL_DIR,
+                                  fix="fix the failing rank's error, then rerun the same command with --resume")
+            if group.rank == 0:
+                staging.publish(src, overwrite=opts.overwrite)
         finally:
             staging.close()
+        group.all_ok(True)  # nobody returns before the output is published
     return RunResult(plan, dst, time.monotonic() - started, todo, resumed_from=resumed)
+
+
+def _already_complete(dst: Path, plan, opts: ExecOptions) -> bool:
+    """--resume of a run that already published: nothing to do, if it is the same plan."""
+    if not opts.resume or (dst / PARTIAL_DIR).exists():
+        return False
+    manifest = read_manifest(dst)
+    if manifest is None or manifest.get("plan_hash") != plan.hash:
+        raise OutputError("--resume: the output here was produced by a different plan", file=dst,
+                          fix="rerun with the original arguments, or --overwrite to start over")
+    return True
+
+
+def _already_complete_shared(dst: Path, plan, opts: ExecOptions) -> bool:
+    return opts.resume and not (dst / PARTIAL_DIR).exists() and (read_manifest(dst) or {}).get("plan_hash") == plan.hash
 
 
 def parse_size(text: str | int) -> int:

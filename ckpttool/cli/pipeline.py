@@ -11,6 +11,7 @@ import typer
 
 from ckpttool.cli.app import app
 from ckpttool.cli.options import Device, Dst, Json, Mp, Quiet, Src
+from ckpttool.distributed import world
 from ckpttool.errors import RecipeError
 from ckpttool.execute import default_workers
 from ckpttool.plan import Plan
@@ -58,6 +59,8 @@ def _dequant_flag(dtype: str | None, default: bool) -> bool:
 def _execute(recipe: Recipe, src: Path, dst: Path, *, overwrite: bool, resume: bool, quiet: bool, as_json: bool,
              dry_run: bool) -> None:
     spec = recipe.spec()
+    if world()[0] != 0:  # under torchrun only rank 0 reports
+        quiet, as_json = True, False
     if dry_run:
         _print_plan(plan_only(src, spec), recipe, dst, as_json)
         return

@@ -65,45 +65,52 @@ def disk_error(exc: OSError, path: object) -> OutputError:
 
 
 class Staging:
-    """DST/.ckpttool-partial: output files at their final size, plus plan.json and the journal."""
+    """DST/.ckpttool-partial: output files at their final size, plus plan.json and the journals.
 
-    def __init__(self, dst: Path, plan: Plan, *, resume: bool, overwrite: bool = False):
+    Rank 0 (or a single process) creates it; under torchrun the other ranks join it, each writing
+    its own files and its own journal, so no two processes ever append to the same file.
+    """
+
+    def __init__(self, dst: Path, plan: Plan, *, resume: bool, overwrite: bool = False, rank: int = 0):
         self.dst = Path(dst)
         self.dir = self.dst / PARTIAL_DIR
         self.plan = plan
         self.plan_hash = plan.hash
         self.done: set[tuple[str, str]] = set()
         self.published: set[str] = set()
-        if overwrite and not resume and self.dir.exists():
-            shutil.rmtree(self.dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
         plan_path = self.dir / PLAN_FILE
-        if resume and plan_path.exists():
+        journal = self.dir / (JOURNAL if rank == 0 else f"journal.{rank}.jsonl")
+        if rank == 0 and not (resume and plan_path.exists()):
+            if self.dir.exists():
+                shutil.rmtree(self.dir)  # only reachable with --overwrite (check_destination)
+            self.dir.mkdir(parents=True)
+            _atomic_write(plan_path, json.dumps({"plan_hash": self.plan_hash, "plan": plan.to_json()}).encode())
+        else:
             previous = json.loads(plan_path.read_text()).get("plan_hash")
             if previous != self.plan_hash:
                 raise OutputError("--resume: the interrupted run was planned for different inputs or options",
                                   file=plan_path, fix="rerun with the original arguments, or --overwrite to start over")
-            self._load_journal()
-        else:
-            _atomic_write(plan_path, json.dumps({"plan_hash": self.plan_hash, "plan": plan.to_json()}).encode())
-            (self.dir / JOURNAL).write_bytes(b"")
-        self._journal = open(self.dir / JOURNAL, "ab")
+            self._load_journals()
+        self._journal = open(journal, "ab")
         self.fds: dict[str, int] = {}
 
-    def _load_journal(self) -> None:
-        for line in (self.dir / JOURNAL).read_bytes().splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue  # a line torn by a kill: that work is simply redone
-            if "published" in entry:
-                self.published.add(entry["published"])
-            else:
-                self.done.add((entry["f"], entry["t"]))
+    def _load_journals(self) -> None:
+        for path in sorted(self.dir.glob("journal*.jsonl")):
+            for line in path.read_bytes().splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue  # a line torn by a kill: that work is simply redone
+                if "published" in entry:
+                    self.published.add(entry["published"])
+                else:
+                    self.done.add((entry["f"], entry["t"]))
 
-    def open_files(self) -> None:
+    def open_files(self, files: set[str] | None = None) -> None:
+        """Create (or, resuming, reopen) the output files at their final size; `files` limits this
+        to one rank's share."""
         for f in self.plan.files:
-            if f.name in self.published:
+            if f.name in self.published or (files is not None and f.name not in files):
                 continue
             path = self.dir / f.name
             fresh = not path.exists() or path.stat().st_size != f.size
@@ -137,10 +144,13 @@ class Staging:
         os.fsync(self._journal.fileno())
         self.done.update(entries)
 
-    def close(self) -> None:
+    def close_files(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+    def close(self) -> None:
+        self.close_files()
         if not self._journal.closed:
             self._journal.close()
 
@@ -149,7 +159,7 @@ class Staging:
         for f in self.plan.files:
             if f.name in self.published:
                 continue
-            os.fsync(self.fds[f.name])
+            _fsync(self.dir / f.name)  # written by this or another rank's process
             faults.point("publish")
             os.replace(self.dir / f.name, self.dst / f.name)
             self._journal.write(json.dumps({"published": f.name}).encode() + b"\n")
@@ -184,7 +194,7 @@ class Staging:
         if previous:  # --overwrite: shards of an earlier ckpttool run that this one did not produce
             for stale in set(previous.get("files", {})) - set(names):
                 (self.dst / stale).unlink(missing_ok=True)
-        _fsync_dir(self.dst)
+        _fsync(self.dst)
         shutil.rmtree(self.dir)
         return manifest
 
@@ -221,7 +231,8 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file or directory by path (a fresh descriptor flushes what any process wrote)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -1,0 +1,67 @@
+"""Conversion across processes (`torchrun ... -m ckpttool convert ...`, one node or several with a
+shared filesystem): every rank plans the same thing from headers, takes its share of the output
+files, and rank 0 sets up the staging directory before and publishes after. torch.distributed
+(gloo) carries only barriers and rank 0's set-up outcome; tensors never cross processes."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ckpttool.errors import CkptError
+from ckpttool.plan import Plan
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) from the torchrun environment; (0, 1) outside it."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def assign_files(plan: Plan, world_size: int) -> list[set[str]]:
+    """Largest file first to the least-loaded rank: deterministic, so every rank computes the same."""
+    loads = [0] * world_size
+    shares: list[set[str]] = [set() for _ in range(world_size)]
+    for f in sorted(plan.files, key=lambda f: (-f.size, f.name)):
+        r = min(range(world_size), key=lambda i: (loads[i], i))
+        shares[r].add(f.name)
+        loads[r] += f.size
+    return shares
+
+
+class Group:
+    """A gloo group for barriers when world size > 1; a no-op otherwise."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self._owned = False
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(hours=12))
+            self._owned = True
+
+    def share_outcome(self, error: CkptError | None) -> None:
+        """Rank 0's set-up result reaches every rank: all proceed, or all raise the same error."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        box = [None if error is None else (type(error), error.message, error.file, error.tensor, error.fix)]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            if self.rank == 0 and error is not None:
+                raise error
+            cls, message, file, tensor, fix = box[0]
+            raise cls(message, file=file, tensor=tensor, fix=fix)
+
+    def all_ok(self, ok: bool) -> bool:
+        """True only if every rank finished its share."""
+        if self.world_size == 1:
+            return ok
+        flags = [None] * self.world_size
+        dist.all_gather_object(flags, ok)
+        return all(flags)
+
+    def close(self) -> None:
+        if self._owned:
+            dist.destroy_process_group()
