@@ -22,7 +22,7 @@ import torch
 
 from ckpttool.errors import InputError
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own cap
+MAX_HEADER_BYTES = 100_000_000  # the reference implementation's own cap (decimal, not 100 MiB)
 MAX_ELEMENTS = 1 << 48  # far above any real tensor; bounds every dimension and the shape's product
 MAX_NDIM = 64  # real tensors have <= 8 dims; a longer shape list is a corrupt header, not a tensor
 # Unicode categories rejected in tensor names: controls (C0, DEL, C1), format characters (bidi
@@ -112,7 +112,7 @@ def _keep_duplicates(pairs: list[tuple[str, object]]) -> dict:
 
 
 def _find_duplicate(doc: object) -> tuple[tuple[str, ...], str] | None:
-    """(path of keys to the object, repeated key) of the first object with a repeated key."""
+    """(path of keys to the object, repeated key) of some object with a repeated key, or None."""
     stack: list[tuple[tuple[str, ...], object]] = [((), doc)]
     while stack:  # iterative: the document may be nested as deep as the parser allowed
         path, node = stack.pop()
@@ -229,6 +229,9 @@ def read_header(path: Path | str, *, max_header_bytes: int = MAX_HEADER_BYTES) -
                          fix="check that the file exists and is readable") from None
     if len(raw) != header_size:
         raise InputError("file shrank while its header was read", file=path, fix="wait for the download to finish")
+    if not raw.startswith(b"{"):  # every writer emits '{' first; a BOM or leading junk means another format
+        raise InputError(f"header does not start with '{{' (starts with {_short(raw[:8])})", file=path,
+                         fix=_REDOWNLOAD)
     header = loads_strict_json(raw, file=path, what="header", fix=_REDOWNLOAD, tensor_at=_header_tensor_at)
     if not isinstance(header, dict):
         raise InputError(f"header is a JSON {type(header).__name__}, not an object", file=path, fix=_REDOWNLOAD)
