@@ -10,6 +10,7 @@ from ckpttool.errors import InputError, PlanError
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.plan import Plan, TensorPlan, layout
 from ckpttool.stages import dequant as dequant_stage
+from ckpttool.stages import quantize as quantize_stage
 from ckpttool.stages.rewrite import files_to_copy, hf_index, rewrite_config
 from ckpttool.stages.shard import mp_file, shard
 
@@ -23,6 +24,8 @@ class Spec:
     mp: int | None = None  # None: HF layout (input file names, index); N: model{i}-mp{N}.safetensors
     keep_mtp: bool = False
     arch: str = "auto"  # a recipe may pin the model_type it was written for
+    quantize: str | None = None  # fp8_block | int8 | int4: quantize linear weights (stages/quantize.py)
+    group_size: int = 128  # int4 group size
 
 
 def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
@@ -49,10 +52,21 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         tensors = [t for t in tensors if t.name not in dropped]
         notes.append(f"dropped {len(dropped)} MTP tensors (keep them with --keep-mtp)")
     if spec.dequant:
-        n_fp8 = sum(t.dtype in dequant_stage.FP8_DTYPES for t in tensors)
-        tensors = dequant_stage.dequant(tensors, spec.out_dtype)
-        notes.append(f"dequantized {n_fp8} FP8 weights to {spec.out_dtype}" if n_fp8 else
-                     "no FP8 weights found: tensors are copied unchanged")
+        tensors, n_quant = dequant_stage.dequant(tensors, spec.out_dtype)
+        notes.append(f"dequantized {n_quant} quantized weights to {spec.out_dtype}" if n_quant else
+                     "no quantized weights found: tensors are copied unchanged")
+
+    if spec.quantize is not None:
+        if spec.mp is not None and spec.quantize != "fp8_block":
+            raise PlanError(f"{spec.quantize} output is HF layout only", fix="drop the shard stage, or use fp8_block")
+        n_before = len(tensors)
+        tensors = quantize_stage.quantize(tensors, arch, spec.quantize, spec.group_size,
+                                          {t.name: str(ckpt.root / t.file) for t in tensors})
+        missing = sorted({t.transform for t in tensors if t.transform} - _executable_transforms())
+        if missing:
+            raise PlanError(f"this build's executor cannot run the {missing[0]!r} transform yet",
+                            fix="the quantize stage needs the whole-tensor transform hook in ckpttool/execute.py")
+        notes.append(f"quantized {len(tensors) - n_before} weights to {spec.quantize}")
 
     input_order = sorted(ckpt.files)
     if spec.mp is None:
@@ -68,6 +82,8 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
 
     config = rewrite_config(ckpt.config, dequant_to=spec.out_dtype if spec.dequant else None,
                             mtp_key=arch.mtp_config_key, mtp_dropped=bool(mtp) and not spec.keep_mtp)
+    if spec.quantize is not None:
+        config = quantize_stage.rewrite_config(config, spec.quantize, spec.group_size)
     inputs = {name: {"size": sf.path.stat().st_size,
                      "header_sha256": hashlib.sha256(_header_bytes(sf.path, sf.header_size)).hexdigest()}
               for name, sf in sorted(ckpt.files.items())}
@@ -84,7 +100,8 @@ def _check_against_config(tensors: list[TensorPlan], arch, cfg, ckpt: Checkpoint
     """The tensors must be exactly what config.json describes: a contradiction means the wrong
     config, a partial download or a different model, and would otherwise surface much later."""
     expected = arch.expected_shapes(cfg, True)
-    actual = {t.name: t for t in tensors if not t.name.endswith(dequant_stage.SCALE_SUFFIX)}
+    scales = dequant_stage.scale_names(tensors)
+    actual = {t.name: t for t in tensors if t.name not in scales or t.name in expected}
     config_path = ckpt.root / "config.json"
     for name, t in actual.items():
         if name not in expected:
@@ -104,3 +121,11 @@ def _check_against_config(tensors: list[TensorPlan], arch, cfg, ckpt: Checkpoint
         raise InputError(f"config.json implies tensor {missing[0]!r}{more}, absent from the checkpoint",
                          file=ckpt.root, tensor=missing[0],
                          fix="finish the download (every shard listed in the index) or fix config.json")
+
+
+def _executable_transforms() -> set[str]:
+    """Transform names the executor runs: row-streamed ones, and whole-tensor ones (quantize) once
+    the executor has that hook."""
+    from ckpttool import transforms
+
+    return set(transforms.TRANSFORMS) | set(getattr(transforms, "WHOLE_TENSOR", {}))

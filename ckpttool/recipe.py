@@ -41,6 +41,11 @@ class DequantStage(_Strict):
     dtype: Literal["bf16", "bfloat16", "fp16", "float16", "fp32", "float32"] = "bf16"
 
 
+class QuantizeStage(_Strict):
+    format: Literal["fp8_block", "int8", "int4"]
+    group_size: Literal[32, 64, 128, 256] = 128  # int4 only
+
+
 class ShardStage(_Strict):
     mp: int = Field(ge=1, le=1024)
 
@@ -60,6 +65,7 @@ class Stage(_Strict):
 
     download: Optional[DownloadStage] = None
     dequant: Optional[DequantStage] = None
+    quantize: Optional[QuantizeStage] = None
     shard: Optional[ShardStage] = None
     verify: Optional[VerifyStage] = None
 
@@ -67,13 +73,13 @@ class Stage(_Strict):
     @classmethod
     def _one_key(cls, value):
         if not isinstance(value, dict) or len(value) != 1:
-            raise ValueError("each stage is a mapping with exactly one key: download, dequant, shard or verify")
+            raise ValueError("each stage is a mapping with exactly one key: download, dequant, quantize, shard or verify")
         key, body = next(iter(value.items()))
         return {key: {} if body is None else body}
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("download", "dequant", "shard", "verify") if getattr(self, k) is not None)
+        return next(k for k in ("download", "dequant", "quantize", "shard", "verify") if getattr(self, k) is not None)
 
     @property
     def body(self):
@@ -98,7 +104,7 @@ class Execution(_Strict):
 class Recipe(_Strict):
     name: str
     description: str = ""
-    arch: Literal["auto", "deepseek_v2", "deepseek_v3"] = "auto"
+    arch: Literal["auto", "deepseek_v2", "deepseek_v3", "llama", "mistral", "qwen2", "qwen3", "gpt_oss"] = "auto"
     mtp: Literal["drop", "keep"] = "drop"
     stages: list[Stage] = Field(min_length=1)
     execution: Execution = Execution()
@@ -116,16 +122,19 @@ class Recipe(_Strict):
         if "verify" in kinds and "shard" not in kinds:
             raise ValueError("verify loads model-parallel shards: add a shard stage before it")
         if kinds == ["download"]:
-            raise ValueError("a recipe needs a conversion stage (dequant or shard) after download")
+            raise ValueError("a recipe needs a conversion stage (dequant, quantize or shard) after download")
+        if "quantize" in kinds and "shard" in kinds and kinds.index("quantize") > kinds.index("shard"):
+            raise ValueError("the quantize stage must come before shard")
         return self
 
     def stage(self, kind: str):
         return next((s.body for s in self.stages if s.kind == kind), None)
 
     def spec(self) -> Spec:
-        dq, sh = self.stage("dequant"), self.stage("shard")
+        dq, sh, qz = self.stage("dequant"), self.stage("shard"), self.stage("quantize")
         return Spec(dequant=dq is not None, out_dtype=DTYPE_CODES[dq.dtype] if dq else "BF16",
-                    mp=sh.mp if sh else None, keep_mtp=self.mtp == "keep", arch=self.arch)
+                    mp=sh.mp if sh else None, keep_mtp=self.mtp == "keep", arch=self.arch,
+                    quantize=qz.format if qz else None, group_size=qz.group_size if qz else 128)
 
 
 def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:

@@ -27,10 +27,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from ckpttool.errors import CkptError, InputError
-from ckpttool.model.args import ModelArgs
-from ckpttool.model.deepseek import Transformer
+from ckpttool.model.families import family_for
 from ckpttool.model.generate import greedy_generate, teacher_forced_logits
-from ckpttool.model.loading import load_hf_checkpoint, load_mp_shard, mp_file_name, weight_differences
+from ckpttool.model.loading import mp_file_name
 from ckpttool.model.parallel import ParallelContext
 
 DTYPES = ("float32", "bfloat16")
@@ -233,15 +232,16 @@ def _run_rank(job: VerifyJob, rank: int, world: int, device: torch.device) -> Ve
     dtype = getattr(torch, job.dtype)
     torch.manual_seed(0)
     directory = Path(job.directory)
-    args = ModelArgs.load(directory / "config.json")
+    family = family_for(directory / "config.json")
+    args = family.load_args(directory / "config.json")
     _check_prompt(job.prompt_ids, args.vocab_size)
     with torch.device(device):
-        model = Transformer(args, ctx, dtype=dtype, attn_impl=job.attn_impl)
+        model = family.build(args, ctx, dtype, job.attn_impl)
 
     shard = directory / mp_file_name(rank, world)
     checks: dict[str, Check] = {}
     try:
-        load_mp_shard(model, shard)
+        family.load_shard(model, shard)
         load_problems = []
     except InputError as exc:
         load_problems = [str(exc)]
@@ -256,12 +256,12 @@ def _run_rank(job: VerifyJob, rank: int, world: int, device: torch.device) -> Ve
     else:
         if job.reference:
             try:
-                problems = weight_differences(model, ctx, Path(job.reference), args.n_layers, shard)
+                problems = family.weight_differences(model, ctx, Path(job.reference), args.n_layers, shard)
             except CkptError as exc:
                 problems = [f"reference did not load: {exc}"]
             problems = _gather(problems, world)
             checks["weights"] = Check(ok=not problems, detail="\n".join(problems) or
-                                      "every tensor equals its slice of the reference (FP8 compared dequantized)")
+                                      "every tensor equals its slice of the reference (quantized compared dequantized)")
         generated, logits = greedy_generate(model, job.prompt_ids, job.max_new_tokens, args.eos_token_ids)
         finite = bool(torch.isfinite(logits).all())
         checks["finite"] = Check(ok=finite, detail=f"logits at {len(generated)} step(s) are "
@@ -298,10 +298,11 @@ def _compare_to_reference(job: VerifyJob, logits: torch.Tensor, generated: list[
     """Run the model at mp=1 on the HF checkpoint, teacher-forced on the generated ids."""
     reference = Path(job.reference)
     try:
-        args = ModelArgs.load(reference / "config.json")
+        family = family_for(reference / "config.json")
+        args = family.load_args(reference / "config.json")
         with torch.device(device):
-            model = Transformer(args, ParallelContext(), dtype=dtype, attn_impl=job.attn_impl)
-        load_hf_checkpoint(model, reference, args.n_layers)
+            model = family.build(args, ParallelContext(), dtype, job.attn_impl)
+        family.load_hf(model, reference, args.n_layers)
     except CkptError as exc:
         return Check(ok=False, detail=f"reference {reference} did not load: {exc}"), None
     expected = teacher_forced_logits(model, job.prompt_ids, generated)

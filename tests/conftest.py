@@ -16,7 +16,9 @@ from safetensors import safe_open
 from ckpttool.demo import build_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-SEEDS = REPO.parent / "shared" / "seeds" / "deepseek_v3_inference"
+# the reference scripts sit in ../shared beside the checkout (CI, developers); machines that only get
+# the checkout (the GPU machine) point CKPTTOOL_SEEDS at a copy
+SEEDS = Path(os.environ.get("CKPTTOOL_SEEDS", REPO.parent / "shared" / "seeds" / "deepseek_v3_inference"))
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +38,30 @@ def tiny_v3_no_mtp(tmp_path_factory) -> Path:
 def tiny_v2_lite(tmp_path_factory) -> Path:
     """BF16 DeepSeek-V2-Lite layout (no q_lora, softmax gate, no correction bias)."""
     return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-v2-lite", "tiny-v2-lite", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny LlamaForCausalLM saved by transformers (GQA: 4 heads, 2 KV heads); see dense_models.py."""
+    from dense_models import build_hf
+
+    return build_hf("llama", tmp_path_factory.mktemp("ckpt") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    """A tiny Qwen2ForCausalLM saved by transformers (q/k/v biases, one KV head, tied embeddings)."""
+    from dense_models import build_hf
+
+    return build_hf("qwen2", tmp_path_factory.mktemp("ckpt") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory) -> Path:
+    """gpt-oss as published: MXFP4 expert blocks/scales (u8) beside BF16 attention, router and norms."""
+    from ckpttool.demo_gpt_oss import build_gpt_oss_checkpoint
+
+    return build_gpt_oss_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-gpt-oss", mxfp4=True, seed=7)
 
 
 def run_cli(*args: object, check: bool = True) -> subprocess.CompletedProcess:

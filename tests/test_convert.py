@@ -147,3 +147,36 @@ def test_tiny_chunks_stream_to_identical_bytes(tiny_v3, tmp_path, spec):
     convert(tiny_v3, tmp_path / "small", Spec(**spec), ExecOptions(quiet=True, chunk_bytes=1024, workers=3))
     for f in (tmp_path / "big").iterdir():
         assert f.read_bytes() == (tmp_path / "small" / f.name).read_bytes(), f.name
+
+
+def test_mp_that_would_cut_heads_in_half_is_refused(tiny_v3, tmp_path):
+    # 4 heads x 192 rows: 768 divides by 8, but each rank would hold half a head
+    proc = run_cli("convert", tiny_v3, tmp_path / "o", "--mp", 8, check=False)
+    assert proc.returncode == 1
+    assert "num_attention_heads (4) is not divisible by mp=8" in proc.stderr and "fix:" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.gpu
+def test_cuda_convert_equals_cpu_convert_bytes(tiny_v3, tmp_path):
+    run_cli("convert", tiny_v3, tmp_path / "cpu", "--mp", 2, "--device", "cpu", "--quiet")
+    run_cli("convert", tiny_v3, tmp_path / "gpu", "--mp", 2, "--device", "cuda", "--quiet")
+    for f in (tmp_path / "cpu").iterdir():
+        assert f.read_bytes() == (tmp_path / "gpu" / f.name).read_bytes(), f.name
+
+
+@pytest.mark.gpu
+def test_fused_convert_equals_unmodified_reference_scripts_on_gpu(tiny_v3_no_mtp, tmp_path):
+    """The real two-pass reference: fp8_cast_bf16.py (Triton kernel.py, CUDA) then convert.py."""
+    import subprocess
+    import sys
+
+    from conftest import SEEDS
+
+    subprocess.run([sys.executable, "fp8_cast_bf16.py", "--input-fp8-hf-path", str(tiny_v3_no_mtp),
+                    "--output-bf16-hf-path", str(tmp_path / "ref-bf16")], cwd=SEEDS, check=True, capture_output=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "ref-bf16" / name).write_bytes((tiny_v3_no_mtp / name).read_bytes())
+    ref = reference_convert(tmp_path / "ref-bf16", tmp_path / "ref", 2)
+    run_cli("convert", tiny_v3_no_mtp, tmp_path / "ours", "--mp", 2, "--device", "cuda", "--quiet")
+    assert_same_tensors(load_dir(tmp_path / "ours"), load_dir(ref))

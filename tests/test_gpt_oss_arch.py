@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckpttool.arch.gpt_oss import (
-    EXPERT, KEY_TABLE, GptOssConfig, bf16_config, bf16_expert_shape, bf16_name, check_mp, expert_range,
+    EXPERTS, KEY_TABLE, GptOssConfig, bf16_config, bf16_expert_shape, bf16_name, check_mp, expert_range,
     hf_tensor_shapes, mxfp4_source, shard_for_rank, to_hf, to_native,
 )
 from ckpttool.demo_gpt_oss import CONFIG, MXFP4_QUANTIZATION_CONFIG
@@ -90,7 +90,7 @@ def test_split_rules_agree_with_the_bundled_model_at_mp2():
         params = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         assert {k: tuple(v.shape) for k, v in shard.items()} == params
     assert to_native("model.layers.0.self_attn.sinks")[1] == to_native("model.layers.0.self_attn.q_proj.weight")[1] == 0
-    assert to_native("model.layers.0.mlp.experts.gate_up_proj_blocks")[1] == EXPERT
+    assert to_native("model.layers.0.mlp.experts.gate_up_proj_blocks")[1] == EXPERTS
 
 
 def test_expert_shards_are_contiguous_ranges():

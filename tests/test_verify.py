@@ -22,9 +22,10 @@ from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.kernels.fp8 import dequant_fp8_block
 from ckpttool.verify import run_verify
+from conftest import SEEDS
 
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE_CONVERT = REPO.parent / "shared" / "seeds" / "deepseek_v3_inference" / "convert.py"
+REFERENCE_CONVERT = SEEDS / "convert.py"
 PROMPT = [0, 5, 9, 33, 7]
 NEW_TOKENS = 5
 

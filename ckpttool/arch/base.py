@@ -9,6 +9,30 @@ from ckpttool.arch.keymap import KeyMap
 from ckpttool.errors import InputError
 
 
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """A split along whole heads: `dim` is `heads` equal groups, where `count` names the field of the
+    parsed config holding `heads`. Ranks take contiguous heads; with fewer heads than ranks and
+    `replicate`, rank r takes head r * heads // mp (GQA: each rank gets the KV head its queries use)."""
+
+    dim: int
+    count: str
+    replicate: bool = False
+
+    def ranges(self, size: int, heads: int, mp: int) -> list[tuple[int, int]] | str:
+        """(start, length) along `dim` per rank, or why no such cut exists."""
+        if heads <= 0 or size % heads:
+            return f"dim {self.dim} ({size}) is not {heads} whole heads"
+        group = size // heads
+        if heads % mp == 0:
+            part = size // mp
+            return [(r * part, part) for r in range(mp)]
+        if self.replicate and mp % heads == 0:
+            return [((r * heads // mp) * group, group) for r in range(mp)]
+        need = f"mp dividing {heads}" + (f" or a multiple of {heads}" if self.replicate else "")
+        return f"{heads} heads ({self.count}) cannot be cut evenly over mp={mp}: choose an {need}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Arch:
     name: str
@@ -21,8 +45,14 @@ class Arch:
     is_mtp_tensor: Callable[[Any, str], bool]
     num_experts: Callable[[Any], int]
     vocab_size: Callable[[Any], int]
+    check_mp: Callable[[Any, int], None] = lambda cfg, mp: None
+    """Raise PlanError unless every cut at this mp is even along whole units (heads, experts, vocab):
+    tensor sizes alone can divide evenly and still cut a head in half."""
     mtp_config_key: str | None = None
     """config.json field counting MTP layers, zeroed when they are dropped."""
+    quantizable: Callable[[str], bool] | None = None
+    """HF weight name -> whether the quantize stage turns it into a low-precision weight (linear
+    projections); None: this family has no quantize support."""
 
 
 _REGISTRY: dict[str, Arch] = {}
@@ -36,7 +66,7 @@ def register(arch: Arch) -> Arch:
 
 def get_arch(config: dict, source: object = "config.json") -> Arch:
     # importing the family modules registers them
-    from ckpttool.arch import deepseek  # noqa: F401
+    from ckpttool.arch import deepseek, dense, gpt_oss  # noqa: F401
 
     model_type = config.get("model_type")
     if model_type not in _REGISTRY:

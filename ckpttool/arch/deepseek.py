@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ckpttool.arch.base import Arch, register
 from ckpttool.arch.keymap import KeyMap
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, PlanError
 
 EXPERT = "expert"
 FP8_BLOCK = 128
@@ -210,6 +210,16 @@ def _is_mtp_tensor(cfg: DeepseekConfig, hf_name: str) -> bool:
     return layer is not None and cfg.is_mtp_layer(layer)
 
 
+def check_mp(cfg: DeepseekConfig, mp: int) -> None:
+    """Heads, routed experts and the vocabulary must split evenly; a size that divides is not enough
+    when it would cut a head (q_b rows are heads x 192)."""
+    for what, size in (("num_attention_heads", cfg.num_attention_heads), ("n_routed_experts", cfg.n_routed_experts),
+                       ("vocab_size", cfg.vocab_size)):
+        if size % mp:
+            raise PlanError(f"{what} ({size}) is not divisible by mp={mp}", file="config.json",
+                            fix=f"choose an --mp that divides {size}")
+
+
 DEEPSEEK = register(Arch(
     name="deepseek",
     model_types=("deepseek_v2", "deepseek_v3", "kimi_k2"),
@@ -219,5 +229,6 @@ DEEPSEEK = register(Arch(
     is_mtp_tensor=_is_mtp_tensor,
     num_experts=lambda cfg: cfg.n_routed_experts,
     vocab_size=lambda cfg: cfg.vocab_size,
+    check_mp=check_mp,
     mtp_config_key="num_nextn_predict_layers",
 ))

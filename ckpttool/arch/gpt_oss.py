@@ -29,16 +29,18 @@ norms are replicated.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ckpttool.arch.base import Arch, register
+from ckpttool.arch.keymap import KeyMap
 from ckpttool.errors import InputError, PlanError
 from ckpttool.kernels.mxfp4 import VALUES_PER_BLOCK, check_mxfp4, dequant_mxfp4
 
-EXPERT = "expert"
+EXPERTS = 0
+"""Stacked expert tensors [E, ...] are cut along dim 0: rank r gets a contiguous range of experts."""
 MXFP4_PROJS = ("gate_up_proj", "down_proj")
 """The expert weights gpt-oss publishes as MXFP4; `{proj}_blocks` + `{proj}_scales` -> `{proj}`."""
 
@@ -56,14 +58,14 @@ _ATTN = [
 _MOE = [
     ("mlp.router.weight", "ffn.gate.weight", None),
     ("mlp.router.bias", "ffn.gate.bias", None),
-    ("mlp.experts.gate_up_proj", "ffn.experts.w13", EXPERT),
-    ("mlp.experts.gate_up_proj_bias", "ffn.experts.b13", EXPERT),
-    ("mlp.experts.down_proj", "ffn.experts.w2", EXPERT),
-    ("mlp.experts.down_proj_bias", "ffn.experts.b2", EXPERT),
-    ("mlp.experts.gate_up_proj_blocks", "ffn.experts.w13_blocks", EXPERT),
-    ("mlp.experts.gate_up_proj_scales", "ffn.experts.w13_scales", EXPERT),
-    ("mlp.experts.down_proj_blocks", "ffn.experts.w2_blocks", EXPERT),
-    ("mlp.experts.down_proj_scales", "ffn.experts.w2_scales", EXPERT),
+    ("mlp.experts.gate_up_proj", "ffn.experts.w13", EXPERTS),
+    ("mlp.experts.gate_up_proj_bias", "ffn.experts.b13", EXPERTS),
+    ("mlp.experts.down_proj", "ffn.experts.w2", EXPERTS),
+    ("mlp.experts.down_proj_bias", "ffn.experts.b2", EXPERTS),
+    ("mlp.experts.gate_up_proj_blocks", "ffn.experts.w13_blocks", EXPERTS),
+    ("mlp.experts.gate_up_proj_scales", "ffn.experts.w13_scales", EXPERTS),
+    ("mlp.experts.down_proj_blocks", "ffn.experts.w2_blocks", EXPERTS),
+    ("mlp.experts.down_proj_scales", "ffn.experts.w2_scales", EXPERTS),
 ]
 
 
@@ -84,34 +86,29 @@ KEY_TABLE: list[tuple[str, str, object]] = [
     ("lm_head.weight", "head.weight", 0),
     *_layer_rows(),
 ]
-"""(hf template, native template, split): split is a dim cut evenly across ranks, EXPERT (dim 0 of a
-stacked expert tensor, by contiguous expert range) or None (replicated). `{layer}` is the only
+"""(hf template, native template, split): split is a dim cut evenly across ranks (EXPERTS, dim 0 of a
+stacked expert tensor, gives each rank a contiguous expert range) or None (replicated). `{layer}` is the only
 placeholder. Holds both the MXFP4 rows (`*_blocks`, `*_scales`) and their BF16 result rows."""
 
 
-def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{layer\}", r"(?P<layer>\d+)") + "$")
-
-
-_TO_NATIVE = [(_pattern(hf), nat, split) for hf, nat, split in KEY_TABLE]
-_TO_HF = [(_pattern(nat), hf) for hf, nat, _ in KEY_TABLE]
+KEY_MAP = KeyMap(KEY_TABLE)
 
 
 def to_native(hf_name: str) -> tuple[str, object]:
     """(native name, split) of an HF gpt-oss tensor name; an unknown name is a PlanError."""
-    for pattern, native, split in _TO_NATIVE:
-        if m := pattern.match(hf_name):
-            return native.format(**m.groupdict()), split
-    raise PlanError("no gpt-oss mp rule for this tensor", tensor=hf_name,
-                    fix="is this a gpt-oss checkpoint? `ckpttool inspect` lists its tensors")
+    mapped = KEY_MAP.to_native(hf_name)
+    if mapped is None:
+        raise PlanError("no gpt-oss mp rule for this tensor", tensor=hf_name,
+                        fix="is this a gpt-oss checkpoint? `ckpttool inspect` lists its tensors")
+    return mapped.name, mapped.split
 
 
 def to_hf(native_name: str) -> str:
     """The inverse of to_native, derived from the same table."""
-    for pattern, hf in _TO_HF:
-        if m := pattern.match(native_name):
-            return hf.format(**m.groupdict())
-    raise PlanError("not a gpt-oss mp tensor name", tensor=native_name)
+    mapped = KEY_MAP.to_hf(native_name)
+    if mapped is None:
+        raise PlanError("not a gpt-oss mp tensor name", tensor=native_name)
+    return mapped.name
 
 
 def shard_for_rank(hf_tensors: dict[str, torch.Tensor], rank: int, mp: int) -> dict[str, torch.Tensor]:
@@ -121,7 +118,7 @@ def shard_for_rank(hf_tensors: dict[str, torch.Tensor], rank: int, mp: int) -> d
     for name, t in hf_tensors.items():
         native, split = to_native(name)
         if split is not None:
-            dim = 0 if split == EXPERT else split
+            dim = split
             if t.shape[dim] % mp:
                 raise PlanError(f"dim {dim} ({t.shape[dim]}) is not divisible by mp={mp}", tensor=name,
                                 fix="choose an --mp that divides it")
@@ -329,3 +326,16 @@ def check_mp(cfg: GptOssConfig, mp: int) -> None:
                        ("num_local_experts", cfg.num_local_experts), ("vocab_size", cfg.vocab_size)):
         if size % mp:
             raise PlanError(f"{what} ({size}) is not divisible by mp={mp}", fix=f"choose an --mp that divides {what}")
+
+
+GPT_OSS = register(Arch(
+    name="gpt-oss",
+    model_types=("gpt_oss",),
+    key_map=KEY_MAP,
+    parse_config=GptOssConfig.from_dict,
+    expected_shapes=lambda cfg, with_mtp: hf_tensor_shapes(cfg),
+    is_mtp_tensor=lambda cfg, name: False,
+    num_experts=lambda cfg: cfg.num_local_experts,
+    vocab_size=lambda cfg: cfg.vocab_size,
+    check_mp=check_mp,
+))

@@ -16,7 +16,7 @@ _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 class KeyRow:
     hf: str
     native: str
-    split: object  # int dim, arch.deepseek.EXPERT, or None
+    split: object  # int dim, arch.deepseek.EXPERT, arch.base.HeadSplit, or None
 
     @property
     def fields(self) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ import click
 from ckpttool.cli.app import app
 from ckpttool.errors import CkptError
 
-COMMAND_MODULES = ("pipeline", "inspect", "demo")
+COMMAND_MODULES = ("pipeline", "inspect", "demo", "merge")
 OPTIONAL_COMMAND_MODULES = ("verify", "download")  # added by their owners; absent until they land
 
 for _name in COMMAND_MODULES:

@@ -10,7 +10,6 @@ import typer
 
 from ckpttool.cli.app import app
 from ckpttool.cli.options import Json, Quiet
-from ckpttool.io.hub import DownloadResult, download_checkpoint
 
 
 @app.command("download")
@@ -38,6 +37,8 @@ def download(
 
     Example: ckpttool download deepseek-ai/DeepSeek-V3 ./dsv3 --exclude 'original/*' --verify-sha256
     """
+    from ckpttool.io.hub import download_checkpoint  # huggingface_hub loads only when this command runs
+
     result = download_checkpoint(repo_id, dst, revision=revision, allow_patterns=include, ignore_patterns=exclude,
                                  max_workers=max_workers, verify_sha256=verify_sha256, token=token,
                                  quiet=quiet)
@@ -49,7 +50,8 @@ def download(
         typer.echo(render_summary(result))
 
 
-def render_summary(result: DownloadResult) -> str:
+def render_summary(result) -> str:
+    """Human summary of a ckpttool.io.hub.DownloadResult."""
     headers = sum(f.header_checked for f in result.files)
     hashed = [f for f in result.files if f.hash_checked]
     lines = [f"{result.repo_id}@{result.revision} (commit {result.commit[:12]})"

@@ -1,43 +1,118 @@
-"""FP8 block dequant at plan time: pair each FP8 weight with its `weight_scale_inv`, or fail."""
+"""Dequant at plan time: pair every quantized weight with its scales (or fail), and describe the
+dequantized tensor it becomes. One table row per published format:
+
+  fp8_block  W (F8_E4M3) + W_scale_inv (F32, one per 128x128 block)  -> W, same shape (DeepSeek V3/R1)
+  mxfp4      W_blocks (U8 [E, R, G, 16]) + W_scales (U8 [E, R, G])   -> W, [E, G*32, R] (gpt-oss experts,
+             in the transposed layout transformers' GptOss loads)
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.kernels.fp8 import check_scale
+from ckpttool.kernels.mxfp4 import VALUES_PER_BLOCK, check_mxfp4
 from ckpttool.plan import TensorPlan
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 
 
-def check_scales(tensors: list[TensorPlan], ckpt: Checkpoint) -> None:
-    """Every FP8 weight has a well-shaped F32 scale, and every scale has its weight: no silent fallbacks."""
+@dataclass(frozen=True)
+class QuantFormat:
+    transform: str
+    weight_suffix: str  # appended to the dequantized name to get the stored weight's name
+    scale_suffix: str  # appended to the dequantized name to get the stored scales' name
+    weight_dtypes: tuple[str, ...]
+    scale_dtype: str
+    check: Callable[[tuple, tuple, str, object], None]
+    out_shape: Callable[[tuple], tuple]
+
+
+def _check_fp8(w_shape, s_shape, tensor, file) -> None:
+    check_scale(w_shape, s_shape, tensor=tensor, file=file)
+
+
+def _check_mxfp4(b_shape, s_shape, tensor, file) -> None:
+    if len(b_shape) != 4:
+        raise InputError(f"MXFP4 expert blocks must be [E, R, G, 16], got {list(b_shape)}", file=file, tensor=tensor)
+    check_mxfp4(b_shape, s_shape, tensor=tensor, file=file)
+
+
+FORMATS = (
+    QuantFormat("fp8_block", "", SCALE_SUFFIX, FP8_DTYPES, "F32", _check_fp8, lambda shape: shape),
+    QuantFormat("mxfp4", "_blocks", "_scales", ("U8",), "U8", _check_mxfp4,
+                lambda s: (s[0], s[2] * VALUES_PER_BLOCK, s[1])),
+)
+
+
+def _match(t: TensorPlan, by_name: dict[str, TensorPlan]) -> tuple[QuantFormat, str, str] | None:
+    """(format, dequantized name, scale name) if `t` is a quantized weight with a sibling scale tensor."""
+    for fmt in FORMATS:
+        if t.dtype not in fmt.weight_dtypes or not t.name.endswith(fmt.weight_suffix):
+            continue
+        base = t.name[: len(t.name) - len(fmt.weight_suffix)] if fmt.weight_suffix else t.name
+        if base + fmt.scale_suffix in by_name:
+            return fmt, base, base + fmt.scale_suffix
+    return None
+
+
+def scale_names(tensors: list[TensorPlan]) -> set[str]:
+    """Names of the tensors that are scales of a quantized weight in this list."""
     by_name = {t.name: t for t in tensors}
+    return {m[2] for t in tensors if (m := _match(t, by_name))}
+
+
+def check_scales(tensors: list[TensorPlan], ckpt: Checkpoint) -> None:
+    """Every quantized weight has a well-shaped scale of the right dtype, every scale has its weight:
+    no silent fallbacks (the reference warns and copies FP8 bytes through as if they were BF16)."""
+    by_name = {t.name: t for t in tensors}
+    paired = set()
     for t in tensors:
+        m = _match(t, by_name)
+        if m is None:
+            continue
+        fmt, _, scale_name = m
+        scale = by_name[scale_name]
+        file = ckpt.root / ckpt.source(scale.source).file
+        if scale.dtype != fmt.scale_dtype:
+            raise InputError(f"scale dtype is {scale.dtype}, expected {fmt.scale_dtype}", file=file, tensor=scale_name,
+                             fix=f"this is not a {fmt.transform} checkpoint as published; re-download it")
+        fmt.check(t.shape, scale.shape, scale_name, file)
+        paired |= {t.name, scale_name}
+    for t in tensors:
+        if t.name in paired:
+            continue
         file = ckpt.root / ckpt.source(t.source).file
-        if t.name.endswith(SCALE_SUFFIX):
-            weight = by_name.get(t.name[: -len(SCALE_SUFFIX)])
-            if weight is None:
-                raise InputError("scale has no weight", file=file, tensor=t.name,
-                                 fix="the checkpoint is incomplete; re-download it")
-            if weight.dtype not in FP8_DTYPES:
-                raise InputError(f"scale belongs to a {weight.dtype} weight, not an FP8 one", file=file, tensor=t.name)
-            if t.dtype != "F32":
-                raise InputError(f"scale dtype is {t.dtype}, expected F32", file=file, tensor=t.name)
-            check_scale(weight.shape, t.shape, tensor=t.name, file=file)
-        elif t.dtype in FP8_DTYPES and t.name + SCALE_SUFFIX not in by_name:
+        if t.dtype in FP8_DTYPES:
             raise InputError(f"FP8 weight has no {t.name + SCALE_SUFFIX!r}", file=file, tensor=t.name,
                              fix="the checkpoint is incomplete (or the index lost the scale entry); re-download it")
+        for fmt in FORMATS:
+            if fmt.weight_suffix and t.name.endswith(fmt.weight_suffix) and t.dtype in fmt.weight_dtypes:
+                raise InputError(f"{fmt.transform} blocks have no {fmt.scale_suffix!r} tensor", file=file,
+                                 tensor=t.name, fix="the checkpoint is incomplete; re-download it")
+            if t.name.endswith(fmt.scale_suffix) and (fmt.weight_suffix or t.dtype == fmt.scale_dtype):
+                raise InputError("scale has no quantized weight beside it", file=file, tensor=t.name,
+                                 fix="the checkpoint is incomplete; re-download it")
 
 
-def dequant(tensors: list[TensorPlan], out_dtype: str = "BF16") -> list[TensorPlan]:
-    """FP8 weights become `out_dtype` tensors made from (weight, scale); scale tensors disappear."""
-    out = []
+def dequant(tensors: list[TensorPlan], out_dtype: str = "BF16") -> tuple[list[TensorPlan], int]:
+    """Quantized weights become `out_dtype` tensors made from (weight, scale); scales disappear.
+    Returns the new list and how many weights were dequantized."""
+    by_name = {t.name: t for t in tensors}
+    scales = scale_names(tensors)
+    out, n = [], 0
     for t in tensors:
-        if t.name.endswith(SCALE_SUFFIX):
+        if t.name in scales:
             continue
-        if t.dtype in FP8_DTYPES:
-            t = t.with_(dtype=out_dtype, transform="fp8_block", scale=t.source + SCALE_SUFFIX)
+        m = _match(t, by_name)
+        if m is not None:
+            fmt, base, scale_name = m
+            t = t.with_(name=base, dtype=out_dtype, shape=fmt.out_shape(t.shape), transform=fmt.transform,
+                        scale=scale_name)
+            n += 1
         out.append(t)
-    return out
+    return out, n

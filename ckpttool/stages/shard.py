@@ -17,11 +17,8 @@ def shard(tensors: list[TensorPlan], arch: Arch, cfg, mp: int, files_of: dict[st
     """Each input tensor becomes one tensor per rank (split or replicated), or, for a routed expert,
     one tensor on the rank owning its contiguous expert range. `files_of` maps input tensor -> input
     file, for error messages."""
-    n_experts = arch.num_experts(cfg)
-    if n_experts % mp:
-        raise PlanError(f"{n_experts} routed experts cannot be split evenly over mp={mp}",
-                        fix=f"choose --mp dividing {n_experts}")
-    per_rank = n_experts // mp
+    arch.check_mp(cfg, mp)
+    per_rank = max(arch.num_experts(cfg) // mp, 1)
     shapes = {t.name: t.shape for t in tensors}
     out: list[TensorPlan] = []
     for t in tensors:
