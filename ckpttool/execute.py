@@ -22,7 +22,7 @@ from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.safetensors import DTYPES, itemsize, read_bytes, tensor_from_bytes
 from ckpttool.io.writer import Staging
 from ckpttool.plan import PlacedTensor, Plan
-from ckpttool.transforms import TRANSFORMS
+from ckpttool.transforms import TRANSFORMS, WHOLE_TENSOR
 
 # Journal granularity: work done since the last commit is redone after a crash.
 COMMIT_EVERY_BYTES = int(os.environ.get("CKPTTOOL_JOURNAL_BYTES", 1 << 30))
@@ -46,6 +46,8 @@ class Task:
         return shape[0] if shape else 1
 
     def chunk_rows(self, ckpt: Checkpoint, chunk_bytes: int = CHUNK_BYTES) -> int:
+        if self.transform in WHOLE_TENSOR:
+            return max(1, self.rows(ckpt))
         info = ckpt.source(self.source).info
         align = TRANSFORMS[self.transform].row_align if self.transform else 1
         if self.transform:
@@ -59,6 +61,9 @@ class Task:
         """Peak bytes one run of rows needs: the source rows, the transformed rows (and the fp32
         temporary of a dequant), and one contiguous piece copy."""
         info = ckpt.source(self.source).info
+        if self.transform in WHOLE_TENSOR:  # the source, its fp32 copy and temporaries, the output
+            numel = info.nbytes // itemsize(info.dtype)
+            return info.nbytes + numel * 12 + max(p.end - p.start for _, p in self.pieces)
         rows = min(self.chunk_rows(ckpt, chunk_bytes), self.rows(ckpt))
         src = info.nbytes // max(self.rows(ckpt), 1) * rows
         if self.transform is None:
@@ -146,6 +151,12 @@ def _check_scale_values(ckpt: Checkpoint, name: str, scale: torch.Tensor) -> Non
 
 def run_task(task: Task, ckpt: Checkpoint, staging: Staging, device: torch.device,
              chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, str]]:
+    if task.transform in WHOLE_TENSOR:
+        x = WHOLE_TENSOR[task.transform](ckpt.read(task.source))
+        for file, placed in task.pieces:
+            y = x if placed.tensor.narrow is None else x.narrow(*placed.tensor.narrow)
+            staging.pwrite(file, y.contiguous().reshape(-1).view(torch.uint8).numpy(), placed.start)
+        return [(file, placed.tensor.name) for file, placed in task.pieces]
     n_rows = task.rows(ckpt)
     lo, hi = _needed_rows(task, n_rows)
     transform = TRANSFORMS[task.transform] if task.transform else None
@@ -207,6 +218,10 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
     pending_bytes = 0
     last_commit = time.monotonic()
     in_flight: dict[Future, tuple[Task, int]] = {}
+    remaining: dict[str, int] = {}  # pieces still to write per output file
+    for task in tasks:
+        for file, _ in task.pieces:
+            remaining[file] = remaining.get(file, 0) + 1
 
     def reap(block: bool) -> None:
         nonlocal pending_bytes, last_commit
@@ -216,7 +231,12 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
         for fut in finished:
             task, held = in_flight.pop(fut)
             budget.release(held)
-            pending.extend(fut.result())  # re-raises a worker's error here, in the main thread
+            written = fut.result()  # re-raises a worker's error here, in the main thread
+            pending.extend(written)
+            for file, _ in written:
+                remaining[file] -= 1
+                if not remaining[file]:
+                    staging.file_complete(file)
             pending_bytes += task.nbytes_out
             if progress is not None:
                 progress(task.nbytes_out)

@@ -62,10 +62,6 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         n_before = len(tensors)
         tensors = quantize_stage.quantize(tensors, arch, spec.quantize, spec.group_size,
                                           {t.name: str(ckpt.root / t.file) for t in tensors})
-        missing = sorted({t.transform for t in tensors if t.transform} - _executable_transforms())
-        if missing:
-            raise PlanError(f"this build's executor cannot run the {missing[0]!r} transform yet",
-                            fix="the quantize stage needs the whole-tensor transform hook in ckpttool/execute.py")
         notes.append(f"quantized {len(tensors) - n_before} weights to {spec.quantize}")
 
     input_order = sorted(ckpt.files)
@@ -122,10 +118,3 @@ def _check_against_config(tensors: list[TensorPlan], arch, cfg, ckpt: Checkpoint
                          file=ckpt.root, tensor=missing[0],
                          fix="finish the download (every shard listed in the index) or fix config.json")
 
-
-def _executable_transforms() -> set[str]:
-    """Transform names the executor runs: row-streamed ones, and whole-tensor ones (quantize) once
-    the executor has that hook."""
-    from ckpttool import transforms
-
-    return set(transforms.TRANSFORMS) | set(getattr(transforms, "WHOLE_TENSOR", {}))

@@ -56,3 +56,10 @@ TRANSFORMS: dict[str, Transform] = {
         out_per_source_row=lambda shape: _prod(shape[1:]) * 2,  # [.., G, 16] bytes -> G * 32 values
     ),
 }
+
+
+from ckpttool.stages.quantize import QUANTIZE_TRANSFORMS  # noqa: E402
+
+WHOLE_TENSOR: dict[str, Callable[[torch.Tensor], torch.Tensor]] = dict(QUANTIZE_TRANSFORMS)
+"""Transforms of a whole source tensor (no scale input; outputs not row-aligned with the source:
+quantized values and their block/channel/group scales): read once, applied once, pieces narrowed."""

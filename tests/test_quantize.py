@@ -133,19 +133,6 @@ def test_int4_is_gpt_fast_bit_for_bit_packs_losslessly_and_is_within_half_a_step
 
 
 # -- the stage, end to end ---------------------------------------------------------------------------
-def _executor_runs_quantize() -> bool:
-    from ckpttool.pipeline import _executable_transforms
-
-    return "quantize_fp8_block" in _executable_transforms()
-
-
-# The quantize transforms work on whole tensors; ckpttool/execute.py needs a small hook to run them
-# (proposed to its owner). Until it lands these fail with "cannot run the ... transform yet"; strict,
-# so they flag themselves for un-marking the moment it does.
-needs_executor_hook = pytest.mark.xfail(not _executor_runs_quantize(), strict=True, raises=AssertionError,
-                                        reason="execute.py lacks the whole-tensor transform hook")
-
-
 @pytest.fixture(scope="session")
 def llama_128(tmp_path_factory):
     """A tiny llama whose head_dim (128) and widths fall on FP8 block boundaries at mp=2."""
@@ -161,7 +148,6 @@ def _recipe(tmp_path, fmt: str, group_size: int = 128):
     return path
 
 
-@needs_executor_hook
 def test_fp8_quantize_stage_round_trips_through_our_dequant(llama_128, tmp_path):
     run_cli("run", _recipe(tmp_path, "fp8_block"), "-i", llama_128, "-o", tmp_path / "fp8", "--quiet")
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
@@ -186,7 +172,6 @@ def test_fp8_quantize_stage_round_trips_through_our_dequant(llama_128, tmp_path)
             assert torch.equal(v, back[k]), k
 
 
-@needs_executor_hook
 def test_fp8_quantized_shards_verify_and_merge_back(llama_128, tmp_path):
     """quantize -> shard --mp 2 (FP8 kept, scales split): verify gives transformers' greedy tokens on the
     dequantized checkpoint, and merge gives back the quantized HF checkpoint byte for byte."""
@@ -209,7 +194,6 @@ def test_fp8_quantized_shards_verify_and_merge_back(llama_128, tmp_path):
     assert (tmp_path / "merged" / "model.safetensors").read_bytes() == (tmp_path / "fp8" / "model.safetensors").read_bytes()
 
 
-@needs_executor_hook
 def test_fp8_quantized_output_loads_in_transformers(llama_128, tmp_path):
     pytest.importorskip("accelerate")  # transformers' FP8 loader requires it
     import transformers
@@ -223,7 +207,6 @@ def test_fp8_quantized_output_loads_in_transformers(llama_128, tmp_path):
         assert torch.equal(model(tokens).logits.argmax(-1), plain(tokens).logits.argmax(-1))
 
 
-@needs_executor_hook
 @pytest.mark.parametrize("fmt,group_size", [("int8", 128), ("int4", 64)])
 def test_int_quantize_stage_writes_the_documented_layout(llama_128, tmp_path, fmt, group_size):
     run_cli("run", _recipe(tmp_path, fmt, group_size), "-i", llama_128, "-o", tmp_path / "q", "--quiet")

@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ckpttool import __version__, faults
@@ -93,6 +93,9 @@ class Staging:
             self._load_journals()
         self._journal = open(journal, "ab")
         self.fds: dict[str, int] = {}
+        # output files are hashed as soon as their last tensor lands, while others are still written
+        self._hasher = ThreadPoolExecutor(2, thread_name_prefix="ckpttool-sha256")
+        self._digests: dict[str, Future] = {}
 
     def _load_journals(self) -> None:
         for path in sorted(self.dir.glob("journal*.jsonl")):
@@ -144,6 +147,10 @@ class Staging:
         os.fsync(self._journal.fileno())
         self.done.update(entries)
 
+    def file_complete(self, name: str) -> None:
+        """Every tensor of `name` is written: start its sha256 now rather than re-reading it at publish."""
+        self._digests[name] = self._hasher.submit(sha256_file, self.dir / name)
+
     def close_files(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
@@ -151,11 +158,13 @@ class Staging:
 
     def close(self) -> None:
         self.close_files()
+        self._hasher.shutdown(wait=True, cancel_futures=True)
         if not self._journal.closed:
             self._journal.close()
 
     def publish(self, src: Path, *, overwrite: bool, hash_workers: int = 4) -> dict:
         """Move finished files into place, then config/index/copies, then the manifest, last."""
+        digests = {n: fut.result() for n, fut in self._digests.items()}  # hashed from the partial dir
         for f in self.plan.files:
             if f.name in self.published:
                 continue
@@ -180,8 +189,9 @@ class Staging:
             _atomic_write(self.dst / name, (src / name).read_bytes())
             aux.append(name)
         names = [f.name for f in self.plan.files] + aux
-        with ThreadPoolExecutor(hash_workers) as pool:
-            digests = dict(zip(names, pool.map(lambda n: sha256_file(self.dst / n), names)))
+        with ThreadPoolExecutor(hash_workers) as pool:  # files finished in an earlier run, and aux files
+            missing = [n for n in names if n not in digests]
+            digests.update(zip(missing, pool.map(lambda n: sha256_file(self.dst / n), missing)))
         previous = read_manifest(self.dst) if overwrite else None
         manifest = {
             "tool": f"ckpttool {__version__}",

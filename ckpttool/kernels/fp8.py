@@ -6,6 +6,7 @@ nearest even, on either device. Triton is imported only when a CUDA tensor arriv
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ckpttool.errors import InputError
@@ -47,18 +48,34 @@ def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torc
     return _dequant_cpu(weight, scale, out_dtype, block)
 
 
+_VALUE_TABLES: dict[torch.dtype, np.ndarray] = {}
+
+
+def _values(dtype: torch.dtype) -> np.ndarray:
+    """The 256 float32 values an FP8 byte can hold: a gather from this is exact and, on CPU, about
+    twice as fast as torch's element-wise fp8 -> fp32 cast."""
+    table = _VALUE_TABLES.get(dtype)
+    if table is None:
+        table = _VALUE_TABLES[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32).numpy()
+    return table
+
+
 def _dequant_cpu(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, block: int) -> torch.Tensor:
     rows, cols = weight.shape
     out = torch.empty((rows, cols), dtype=out_dtype)
-    col_scale_idx = torch.arange(cols) // block
+    table = _values(weight.dtype)
+    codes = weight.contiguous().view(torch.uint8).numpy()
     step = max(block, (_ROWS_PER_CHUNK // block) * block)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        # expand scale to [r1 - r0, cols]: row blocks by repeat, column blocks by gather
-        s_rows = scale[r0 // block: -(-r1 // block)].repeat_interleave(block, dim=0)[: r1 - r0]
-        s = s_rows.index_select(1, col_scale_idx)
-        torch.mul(weight[r0:r1].to(torch.float32), s, out=s)
-        out[r0:r1] = s
+        x = torch.from_numpy(np.take(table, codes[r0:r1]))  # exact fp32 values of the FP8 codes
+        s = scale[r0 // block: -(-r1 // block)]
+        if (r1 - r0) % block == 0 and cols % block == 0:
+            # one fp32 multiply per element, broadcast over each 128x128 block
+            x.view(s.shape[0], block, s.shape[1], block).mul_(s[:, None, :, None])
+        else:  # ragged edge: expand the scale to the chunk's shape instead
+            x.mul_(s.repeat_interleave(block, dim=0)[: r1 - r0].repeat_interleave(block, dim=1)[:, :cols])
+        out[r0:r1] = x
     return out
 
 
