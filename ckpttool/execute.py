@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -207,6 +208,38 @@ def _write_rows(task: Task, x: torch.Tensor, r0: int, r1: int, staging: Staging)
             staging.pwrite(file, y.reshape(-1).view(torch.uint8).numpy(), offset)
 
 
+class Committer:
+    """Journal commits (fdatasync of the written files, then the journal lines) on a thread of their
+    own, in order, so a slow flush never stalls scheduling. The first error is re-raised to the caller."""
+
+    def __init__(self, staging: Staging):
+        self.staging = staging
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="ckpttool-commit", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (batch := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.staging.commit(batch)
+                except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                    self.error = exc
+
+    def submit(self, batch: list[tuple[str, str]]) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put(list(batch))
+
+    def close(self) -> None:
+        """Wait for every queued commit; raise the first error."""
+        self.queue.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, workers: int,
             device: str = "auto", progress=None, files: set[str] | None = None,
             chunk_bytes: int = CHUNK_BYTES) -> None:
@@ -218,6 +251,7 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
     pending_bytes = 0
     last_commit = time.monotonic()
     in_flight: dict[Future, tuple[Task, int]] = {}
+    committer = Committer(staging)
     remaining: dict[str, int] = {}  # pieces still to write per output file
     for task in tasks:
         for file, _ in task.pieces:
@@ -241,7 +275,7 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
             if progress is not None:
                 progress(task.nbytes_out)
         if pending and (pending_bytes >= COMMIT_EVERY_BYTES or time.monotonic() - last_commit > COMMIT_EVERY_SECONDS):
-            staging.commit(pending)
+            committer.submit(pending)
             pending.clear()
             pending_bytes, last_commit = 0, time.monotonic()
 
@@ -249,6 +283,7 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
     if dev.type == "cpu":  # share the cores between workers instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool") as pool:
+        failed = False
         try:
             for task in tasks:
                 need = task.memory(ckpt, chunk_bytes)
@@ -260,6 +295,7 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
             while in_flight:
                 reap(block=True)
         except BaseException:
+            failed = True
             for fut in in_flight:
                 fut.cancel()
             raise
@@ -270,10 +306,13 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
                     pending.extend(fut.result())
             if pending:
-                try:
-                    staging.commit(pending)
-                except OSError:
-                    pass  # the original error is the one to report; this work is redone on --resume
+                committer.queue.put(list(pending))
+            try:
+                committer.close()
+            except BaseException:
+                if not failed:
+                    raise
+                # else the error already propagating is the one to report; this work is redone on --resume
 
 
 def default_workers() -> int:

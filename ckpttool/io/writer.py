@@ -94,7 +94,9 @@ class Staging:
         self._journal = open(journal, "ab")
         self.fds: dict[str, int] = {}
         # output files are hashed as soon as their last tensor lands, while others are still written
-        self._hasher = ThreadPoolExecutor(2, thread_name_prefix="ckpttool-sha256")
+        # (every mp file completes near the end, so there is a thread for each, up to the cores)
+        self._hasher = ThreadPoolExecutor(min(16, os.cpu_count() or 1, max(1, len(plan.files))),
+                                          thread_name_prefix="ckpttool-sha256")
         self._digests: dict[str, Future] = {}
 
     def _load_journals(self) -> None:
@@ -140,7 +142,10 @@ class Staging:
     def commit(self, entries: list[tuple[str, str]]) -> None:
         """Make written tensors durable, then record them: the journal never runs ahead of the data."""
         for file in sorted({f for f, _ in entries}):
-            os.fdatasync(self.fds[file])
+            try:
+                os.fdatasync(self.fds[file])
+            except OSError as exc:
+                raise disk_error(exc, self.dir / file) from None
         faults.point("commit")
         self._journal.write(b"".join(json.dumps({"f": f, "t": t}).encode() + b"\n" for f, t in entries))
         self._journal.flush()
@@ -162,7 +167,7 @@ class Staging:
         if not self._journal.closed:
             self._journal.close()
 
-    def publish(self, src: Path, *, overwrite: bool, hash_workers: int = 4) -> dict:
+    def publish(self, src: Path, *, overwrite: bool, hash_workers: int = 8) -> dict:
         """Move finished files into place, then config/index/copies, then the manifest, last."""
         digests = {n: fut.result() for n, fut in self._digests.items()}  # hashed from the partial dir
         for f in self.plan.files:
