@@ -151,13 +151,13 @@ def _check_scale_values(ckpt: Checkpoint, name: str, scale: torch.Tensor) -> Non
 
 
 def run_task(task: Task, ckpt: Checkpoint, staging: Staging, device: torch.device,
-             chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, str]]:
+             chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
     if task.transform in WHOLE_TENSOR:
         x = WHOLE_TENSOR[task.transform](ckpt.read(task.source))
         for file, placed in task.pieces:
             y = x if placed.tensor.narrow is None else x.narrow(*placed.tensor.narrow)
             staging.pwrite(file, y.contiguous().reshape(-1).view(torch.uint8).numpy(), placed.start)
-        return [(file, placed.tensor.name) for file, placed in task.pieces]
+        return list(task.pieces)
     n_rows = task.rows(ckpt)
     lo, hi = _needed_rows(task, n_rows)
     transform = TRANSFORMS[task.transform] if task.transform else None
@@ -183,7 +183,7 @@ def run_task(task: Task, ckpt: Checkpoint, staging: Staging, device: torch.devic
             else:
                 x = transform.apply(x, scale, out_dtype)
         _write_rows(task, x, r0, r1, staging)
-    return [(file, placed.tensor.name) for file, placed in task.pieces]
+    return list(task.pieces)
 
 
 def _write_rows(task: Task, x: torch.Tensor, r0: int, r1: int, staging: Staging) -> None:
@@ -252,10 +252,6 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
     last_commit = time.monotonic()
     in_flight: dict[Future, tuple[Task, int]] = {}
     committer = Committer(staging)
-    remaining: dict[str, int] = {}  # pieces still to write per output file
-    for task in tasks:
-        for file, _ in task.pieces:
-            remaining[file] = remaining.get(file, 0) + 1
 
     def reap(block: bool) -> None:
         nonlocal pending_bytes, last_commit
@@ -266,11 +262,9 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
             task, held = in_flight.pop(fut)
             budget.release(held)
             written = fut.result()  # re-raises a worker's error here, in the main thread
-            pending.extend(written)
-            for file, _ in written:
-                remaining[file] -= 1
-                if not remaining[file]:
-                    staging.file_complete(file)
+            for file, placed in written:
+                pending.append((file, placed.tensor.name))
+                staging.written(file, placed.start, placed.end)
             pending_bytes += task.nbytes_out
             if progress is not None:
                 progress(task.nbytes_out)
@@ -304,7 +298,7 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
             # whatever finished cleanly is durable and journalled, so --resume skips it
             for fut, (task, _) in list(in_flight.items()):
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    pending.extend(fut.result())
+                    pending.extend((file, placed.tensor.name) for file, placed in fut.result())
             if pending:
                 committer.queue.put(list(pending))
             try:

@@ -104,6 +104,7 @@ def _convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions, group: Group) 
             with Progress(todo, label, quiet=opts.quiet) as progress:
                 execute(plan, ckpt, staging, max_memory=opts.max_memory, workers=opts.workers,
                         device=opts.device, progress=progress.advance, files=mine, chunk_bytes=opts.chunk_bytes)
+            staging.save_digests()
             ok = True
         finally:
             staging.close_files()

@@ -14,7 +14,8 @@ from ckpttool.cli.options import Json
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.safetensors import read_header
-from ckpttool.io.writer import MANIFEST, read_manifest, sha256_file
+from ckpttool.io.hashing import sha256_file
+from ckpttool.io.writer import MANIFEST, read_manifest
 
 
 def _pattern(name: str) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ckpttool.errors import InputError
@@ -319,9 +320,10 @@ def _check_layout(tensors: dict[str, TensorInfo], data_start: int, size: int, pa
                          fix="the file is corrupt or was appended to; re-download it")
 
 
-def read_bytes(fd: int, start: int, nbytes: int, path: object = None) -> bytearray:
-    """pread exactly nbytes (looping over short reads), into a fresh buffer."""
-    buf = bytearray(nbytes)
+def read_bytes(fd: int, start: int, nbytes: int, path: object = None) -> np.ndarray:
+    """pread exactly nbytes (looping over short reads), into a fresh uninitialised buffer (a
+    bytearray would be zero-filled first: a wasted pass over every byte read)."""
+    buf = np.empty(nbytes, dtype=np.uint8)
     view = memoryview(buf)
     done = 0
     while done < nbytes:
@@ -333,7 +335,7 @@ def read_bytes(fd: int, start: int, nbytes: int, path: object = None) -> bytearr
     return buf
 
 
-def tensor_from_bytes(buf: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+def tensor_from_bytes(buf, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     torch_dtype = DTYPES[dtype][0]
     if len(buf) == 0:
         return torch.empty(shape, dtype=torch_dtype)

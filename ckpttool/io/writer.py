@@ -5,15 +5,15 @@ their offsets, a journal of durable work for --resume, then an atomic publish wi
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckpttool import __version__, faults
 from ckpttool.errors import OutputError
+from ckpttool.io.hashing import PrefixHasher, sha256_file
 from ckpttool.plan import Plan
 
 PARTIAL_DIR = ".ckpttool-partial"
@@ -93,11 +93,10 @@ class Staging:
             self._load_journals()
         self._journal = open(journal, "ab")
         self.fds: dict[str, int] = {}
-        # output files are hashed as soon as their last tensor lands, while others are still written
-        # (every mp file completes near the end, so there is a thread for each, up to the cores)
-        self._hasher = ThreadPoolExecutor(min(16, os.cpu_count() or 1, max(1, len(plan.files))),
-                                          thread_name_prefix="ckpttool-sha256")
-        self._digests: dict[str, Future] = {}
+        # each output file is hashed while it is written (its contiguous written prefix)
+        self._hash_pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1, max(1, len(plan.files))),
+                                             thread_name_prefix="ckpttool-sha256")
+        self._hashers: dict[str, PrefixHasher] = {}
 
     def _load_journals(self) -> None:
         for path in sorted(self.dir.glob("journal*.jsonl")):
@@ -131,6 +130,8 @@ class Staging:
                 os.close(fd)
                 raise disk_error(exc, path) from None
             self.fds[f.name] = fd
+            if not any(fn == f.name for fn, _ in self.done):  # nothing written by an earlier run
+                self._hashers[f.name] = PrefixHasher(path, f.size, self._hash_pool, written_prefix=len(f.header))
 
     def pwrite(self, file: str, data, offset: int) -> None:
         try:
@@ -152,9 +153,17 @@ class Staging:
         os.fsync(self._journal.fileno())
         self.done.update(entries)
 
-    def file_complete(self, name: str) -> None:
-        """Every tensor of `name` is written: start its sha256 now rather than re-reading it at publish."""
-        self._digests[name] = self._hasher.submit(sha256_file, self.dir / name)
+    def written(self, file: str, start: int, end: int) -> None:
+        """Bytes [start, end) of `file` hold their final contents (feeds the running sha256)."""
+        hasher = self._hashers.get(file)
+        if hasher is not None:
+            hasher.written(start, end)
+
+    def save_digests(self) -> None:
+        """Wait for this process's running hashes and leave each beside its file, for whoever
+        publishes (rank 0, or a later --resume: the bytes are deterministic, so a digest stays true)."""
+        for name, hasher in self._hashers.items():
+            _atomic_write(self.dir / f"{name}.sha256", hasher.result().encode())
 
     def close_files(self) -> None:
         for fd in self.fds.values():
@@ -163,13 +172,17 @@ class Staging:
 
     def close(self) -> None:
         self.close_files()
-        self._hasher.shutdown(wait=True, cancel_futures=True)
+        self._hash_pool.shutdown(wait=True, cancel_futures=True)
         if not self._journal.closed:
             self._journal.close()
 
     def publish(self, src: Path, *, overwrite: bool, hash_workers: int = 8) -> dict:
         """Move finished files into place, then config/index/copies, then the manifest, last."""
-        digests = {n: fut.result() for n, fut in self._digests.items()}  # hashed from the partial dir
+        digests = {}  # hashed while written, by this or another rank
+        for f in self.plan.files:
+            saved = self.dir / f"{f.name}.sha256"
+            if saved.exists():
+                digests[f.name] = saved.read_text().strip()
         for f in self.plan.files:
             if f.name in self.published:
                 continue
@@ -219,14 +232,6 @@ def read_manifest(dst: Path) -> dict | None:
     if not path.exists():
         return None
     return json.loads(path.read_text())
-
-
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:

@@ -1,0 +1,87 @@
+"""sha256 of an output file computed while it is being written.
+
+Tensors land out of order, but roughly by ascending offset; each file's hasher consumes the
+contiguous written prefix as it grows (re-reading it from the page cache on a pool thread), so the
+manifest costs no second pass over the output at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import os
+import threading
+from concurrent.futures import Executor
+from pathlib import Path
+
+READ_BYTES = 8 << 20
+
+
+class PrefixHasher:
+    def __init__(self, path: Path, size: int, pool: Executor, written_prefix: int = 0):
+        self.path, self.size, self.pool = path, size, pool
+        self._sha = hashlib.sha256()
+        self._hashed = 0  # bytes fed to sha256
+        self._frontier = written_prefix  # bytes known written from offset 0
+        self._ranges: list[tuple[int, int]] = []  # written ranges beyond the frontier (a heap)
+        self._lock = threading.Lock()
+        self._running = False
+        self.done = threading.Event()
+        self.digest: str | None = None
+        self.error: BaseException | None = None
+        self._schedule()
+
+    def written(self, start: int, end: int) -> None:
+        with self._lock:
+            heapq.heappush(self._ranges, (start, end))
+            while self._ranges and self._ranges[0][0] <= self._frontier:
+                self._frontier = max(self._frontier, heapq.heappop(self._ranges)[1])
+        self._schedule()
+
+    def _schedule(self) -> None:
+        with self._lock:
+            if self._running or self._hashed >= self._frontier and self._hashed < self.size:
+                return
+            self._running = True
+        self.pool.submit(self._advance)
+
+    def _advance(self) -> None:
+        try:
+            # pread, never a buffered reader: read-ahead past the frontier would cache bytes that
+            # are not written yet
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                while True:
+                    with self._lock:
+                        target = self._frontier
+                        if self._hashed >= target:
+                            self._running = False
+                            break
+                    while self._hashed < target:
+                        block = os.pread(fd, min(READ_BYTES, target - self._hashed), self._hashed)
+                        if not block:
+                            raise OSError(f"{self.path} is shorter than its planned {self.size} bytes")
+                        self._sha.update(block)
+                        self._hashed += len(block)
+            finally:
+                os.close(fd)
+            if self._hashed >= self.size and not self.done.is_set():
+                self.digest = self._sha.hexdigest()
+                self.done.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by result()
+            self.error = exc
+            self.done.set()
+
+    def result(self) -> str:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.digest
+
+
+def sha256_file(path: Path, chunk: int = READ_BYTES) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
