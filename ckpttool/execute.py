@@ -246,6 +246,9 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
     """Run every task not yet in the journal; commit (fdatasync + journal) in batches."""
     dev = resolve_device(device)
     tasks = make_tasks(plan, staging.done, staging.published, files)
+    # walk each input file front to back: cold sequential reads beat output order (18.6 s vs 23.0 s
+    # on a 10.9 GB checkpoint, bench/RESULTS.md); output offsets are planned, so bytes are unchanged
+    tasks.sort(key=lambda t: (ckpt.source(t.source).file, ckpt.source(t.source).info.start))
     budget = MemoryBudget(max_memory)
     pending: list[tuple[str, str]] = []
     pending_bytes = 0
