@@ -11,18 +11,10 @@ import click
 from ckpttool.cli.app import app
 from ckpttool.errors import CkptError
 
-COMMAND_MODULES = ("pipeline", "inspect", "demo", "merge")
-OPTIONAL_COMMAND_MODULES = ("verify", "download")  # added by their owners; absent until they land
+COMMAND_MODULES = ("download", "pipeline", "inspect", "verify", "merge", "demo")
 
-for _name in COMMAND_MODULES:
+for _name in COMMAND_MODULES:  # each module attaches its command(s) to `app`
     importlib.import_module(f"ckpttool.cli.{_name}")
-for _name in OPTIONAL_COMMAND_MODULES:
-    try:
-        importlib.import_module(f"ckpttool.cli.{_name}")
-    except ModuleNotFoundError as _exc:
-        if _exc.name != f"ckpttool.cli.{_name}":
-            raise
-
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. CkptError becomes a one-paragraph message and a non-zero exit code, with no
