@@ -216,7 +216,7 @@ def run(recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE.yaml", help=
         output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory.")] = None,
         set_: SetOpt = None, overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False,
         quiet: Quiet = False, json_: Json = False) -> None:
-    """Run a YAML recipe: [download] -> [dequant] -> [shard] -> [verify].
+    """Run a YAML recipe: its download, dequant, shard and verify stages, each optional, in one pass.
 
     Example: ckpttool run recipes/deepseek-v3-mp8-bf16.yaml -i deepseek-ai/DeepSeek-V3 -o ./v3-mp8 --set shard.mp=4
     """
