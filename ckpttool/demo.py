@@ -85,9 +85,17 @@ def build_checkpoint(dst: Path, preset: str = "tiny-v3", *, fp8: bool | None = N
         if scales_in_last_file and name.endswith("_scale_inv"):
             idx = n_files - 1
         files[idx][name] = t
+    write_shards(dst, files, [f"model-{i + 1:05d}-of-{n_files:05d}.safetensors" for i in range(n_files)])
+    write_configs(dst, raw, FP8_QUANTIZATION_CONFIG if fp8 else None,
+                  {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"], "do_sample": False})
+    write_tokenizer(dst, cfg.vocab_size)
+    return dst
+
+
+def write_shards(dst: Path, files: list[dict[str, torch.Tensor]], names: list[str]) -> None:
+    """Each dict as one safetensors shard, plus model.safetensors.index.json with its total_size."""
     weight_map, total = {}, 0
-    for i, part in enumerate(files):
-        fname = f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
+    for part, fname in zip(files, names):
         save_file(part, str(dst / fname), metadata={"format": "pt"})
         for name, t in part.items():
             weight_map[name] = fname
@@ -95,14 +103,14 @@ def build_checkpoint(dst: Path, preset: str = "tiny-v3", *, fp8: bool | None = N
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
+
+def write_configs(dst: Path, raw: dict, quantization_config: dict | None, generation: dict) -> None:
+    """config.json (BF16, with the publisher's quantization_config if any) and generation_config.json."""
     config = dict(raw, torch_dtype="bfloat16")
-    if fp8:
-        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    if quantization_config is not None:
+        config["quantization_config"] = dict(quantization_config)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    (dst / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"], "do_sample": False}, indent=2))
-    write_tokenizer(dst, cfg.vocab_size)
-    return dst
+    (dst / "generation_config.json").write_text(json.dumps(generation, indent=2))
 
 
 def _make_tensor(name: str, shape: tuple[int, ...], fp8: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:

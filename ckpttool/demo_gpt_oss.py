@@ -9,14 +9,12 @@ expert weights are the exact BF16 dequantization of the MXFP4 ones, in transform
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ckpttool.arch.gpt_oss import GptOssConfig, dequant_expert_weight, hf_tensor_shapes, layer_index
-from ckpttool.demo import write_tokenizer
+from ckpttool.demo import write_configs, write_shards, write_tokenizer
 
 # Dims are small but keep every structural feature: GQA (4 q heads, 2 kv heads), 2 and 3 MXFP4 groups per
 # row, sliding window (4) shorter than a test prompt, alternating sliding/full layers, 4 experts, top-2,
@@ -71,23 +69,11 @@ def build_gpt_oss_checkpoint(dst: Path, *, mxfp4: bool = True, seed: int = 0, ov
         layer = layer_index(name)
         idx = 0 if layer is None else min(n_files - 1, layer * n_files // cfg.num_hidden_layers)
         files[idx][name] = t
-    weight_map, total = {}, 0
-    for i, part in enumerate(files):
-        fname = f"model-{i:05d}-of-{n_files - 1:05d}.safetensors"  # gpt-oss numbers its shards from 0
-        save_file(part, str(dst / fname), metadata={"format": "pt"})
-        for name, t in part.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-    config = dict(raw, torch_dtype="bfloat16")
-    if mxfp4:
-        config["quantization_config"] = dict(MXFP4_QUANTIZATION_CONFIG)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    (dst / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"],
-         "pad_token_id": raw["pad_token_id"], "do_sample": False}, indent=2))
+    # gpt-oss numbers its shards from 0
+    write_shards(dst, files, [f"model-{i:05d}-of-{n_files - 1:05d}.safetensors" for i in range(n_files)])
+    write_configs(dst, raw, MXFP4_QUANTIZATION_CONFIG if mxfp4 else None,
+                  {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"],
+                   "pad_token_id": raw["pad_token_id"], "do_sample": False})
     write_tokenizer(dst, cfg.vocab_size)
     return dst
 

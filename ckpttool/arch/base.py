@@ -75,3 +75,15 @@ def get_arch(config: dict, source: object = "config.json") -> Arch:
             fix=f"supported: {', '.join(sorted(_REGISTRY))}; is config.json from this checkpoint?",
         )
     return _REGISTRY[model_type]
+
+
+def attention_shapes(shapes: dict, prefix: str, hidden: int, q_out: int, kv_out: int, *,
+                     qkv_bias: bool, o_bias: bool) -> None:
+    """HF q/k/v/o projection shapes (and biases) of a standard multi-head / GQA attention block."""
+    for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+        shapes[f"{prefix}self_attn.{proj}.weight"] = (out, hidden)
+        if qkv_bias:
+            shapes[f"{prefix}self_attn.{proj}.bias"] = (out,)
+    shapes[f"{prefix}self_attn.o_proj.weight"] = (hidden, q_out)
+    if o_bias:
+        shapes[f"{prefix}self_attn.o_proj.bias"] = (hidden,)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpttool.arch.base import Arch, HeadSplit, register
+from ckpttool.arch.base import Arch, HeadSplit, attention_shapes, register
 from ckpttool.arch.keymap import KeyMap
 from ckpttool.errors import InputError, PlanError
 
@@ -120,13 +120,7 @@ def hf_tensor_shapes(cfg: DenseConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            shapes[f"{p}self_attn.{proj}.weight"] = (out, h)
-            if cfg.qkv_bias:
-                shapes[f"{p}self_attn.{proj}.bias"] = (out,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        if cfg.o_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        attention_shapes(shapes, p, h, q, kv, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)

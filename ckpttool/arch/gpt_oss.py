@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ckpttool.arch.base import Arch, register
+from ckpttool.arch.base import Arch, attention_shapes, register
 from ckpttool.arch.keymap import KeyMap
 from ckpttool.errors import InputError, PlanError
 from ckpttool.kernels.mxfp4 import VALUES_PER_BLOCK, check_mxfp4, dequant_mxfp4
@@ -228,13 +228,7 @@ def hf_tensor_shapes(cfg: GptOssConfig, *, mxfp4: bool | None = None) -> dict[st
         p = f"model.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            shapes[f"{p}self_attn.{proj}.weight"] = (out, h)
-            if cfg.attention_bias:
-                shapes[f"{p}self_attn.{proj}.bias"] = (out,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        if cfg.attention_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        attention_shapes(shapes, p, h, q, kv, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias)
         shapes[p + "self_attn.sinks"] = (cfg.num_attention_heads,)
         shapes[p + "mlp.router.weight"] = (e, h)
         shapes[p + "mlp.router.bias"] = (e,)
