@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from ckpttool.errors import RecipeError
@@ -25,6 +26,7 @@ LOCAL_RUNS = {
     "qwen-mp.yaml": ("tiny_qwen2", [], "mp4"),
     "gpt-oss-bf16.yaml": ("tiny_gpt_oss", [], "hf"),
     "gpt-oss-mp.yaml": ("tiny_gpt_oss", [], "mp2"),
+    "dense-fp8.yaml": ("tiny_llama", [], "hf"),
 }
 
 
@@ -48,14 +50,20 @@ def test_recipe_runs_on_tiny_model(name, request, tmp_path):
     files = sorted(load_dir(tmp_path / "out"))
     if expect == "hf":
         assert (tmp_path / "out" / "model.safetensors.index.json").exists()
-        assert all(f.startswith("model-") for f in files)
+        assert set(files) <= {p.name for p in src.glob("*.safetensors")}  # HF layout keeps the file names
     else:
         n = int(expect[2:])
         assert files == sorted(f"model{i}-mp{n}.safetensors" for i in range(n))
-    dequantized = load_recipe(REPO / "recipes" / name).stage("dequant") is not None
+    recipe = load_recipe(REPO / "recipes" / name)
+    was_quantized = "quantization_config" in json.loads((src / "config.json").read_text())
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert ("quantization_config" in config) == (not dequantized and "quantization_config" in
-                                                  json.loads((src / "config.json").read_text()))
+    # the output config says it is quantized exactly when its weights are
+    expected = recipe.stage("quantize") is not None or (was_quantized and recipe.stage("dequant") is None)
+    assert ("quantization_config" in config) == expected
+    if recipe.stage("quantize") is not None:
+        out = {k: v for f in load_dir(tmp_path / "out").values() for k, v in f.items()}
+        assert any(t.dtype == torch.float8_e4m3fn for t in out.values())
+        assert all(k[: -len("_scale_inv")] in out for k in out if k.endswith("_scale_inv"))
 
 
 def _write(tmp_path: Path, text: str) -> Path:
