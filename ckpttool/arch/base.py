@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -87,3 +88,17 @@ def attention_shapes(shapes: dict, prefix: str, hidden: int, q_out: int, kv_out:
     shapes[f"{prefix}self_attn.o_proj.weight"] = (hidden, q_out)
     if o_bias:
         shapes[f"{prefix}self_attn.o_proj.bias"] = (hidden,)
+
+
+@contextmanager
+def config_fields(source: object):
+    """Reading a family's fields out of config.json: a missing or mistyped field becomes an error
+    naming the file, not a KeyError from deep inside a parser."""
+    try:
+        yield
+    except KeyError as exc:
+        raise InputError(f"config.json lacks required field {exc.args[0]!r}", file=source,
+                         fix="use the config.json published with the checkpoint") from None
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"config.json has a field of the wrong type: {exc}", file=source,
+                         fix="use the config.json published with the checkpoint") from None

@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpttool.arch.base import Arch, register
+from ckpttool.arch.base import Arch, config_fields, register
 from ckpttool.arch.keymap import KeyMap
-from ckpttool.errors import InputError, PlanError
+from ckpttool.errors import PlanError
 
 EXPERT = "expert"
 FP8_BLOCK = 128
@@ -92,7 +92,7 @@ class DeepseekConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: object = "config.json") -> "DeepseekConfig":
-        try:
+        with config_fields(source):
             topk_method = raw.get("topk_method", "noaux_tc" if raw["model_type"] == "deepseek_v3" else "greedy")
             return cls(
                 model_type=raw["model_type"],
@@ -116,11 +116,6 @@ class DeepseekConfig:
                 has_correction_bias=topk_method == "noaux_tc",
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             )
-        except KeyError as exc:
-            raise InputError(f"config.json lacks required field {exc.args[0]!r}", file=source,
-                             fix="use the config.json published with the checkpoint") from None
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"config.json has a field of the wrong type: {exc}", file=source) from None
 
     @classmethod
     def load(cls, path: Path) -> "DeepseekConfig":

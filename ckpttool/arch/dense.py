@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpttool.arch.base import Arch, HeadSplit, attention_shapes, register
+from ckpttool.arch.base import Arch, HeadSplit, attention_shapes, config_fields, register
 from ckpttool.arch.keymap import KeyMap
 from ckpttool.errors import InputError, PlanError
 
@@ -75,7 +75,7 @@ class DenseConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: object = "config.json") -> "DenseConfig":
-        try:
+        with config_fields(source):
             model_type = raw["model_type"]
             if model_type not in MODEL_TYPES:
                 raise InputError(f"model_type {model_type!r} is not a dense family ({', '.join(MODEL_TYPES)})",
@@ -98,11 +98,6 @@ class DenseConfig:
                 qk_norm=model_type == "qwen3",
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             )
-        except KeyError as exc:
-            raise InputError(f"config.json lacks required field {exc.args[0]!r}", file=source,
-                             fix="use the config.json published with the checkpoint") from None
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"config.json has a field of the wrong type: {exc}", file=source) from None
         if cfg.num_attention_heads % cfg.num_key_value_heads:
             raise InputError(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
                              f"({cfg.num_key_value_heads})", file=source)

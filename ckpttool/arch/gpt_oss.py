@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ckpttool.arch.base import Arch, attention_shapes, register
+from ckpttool.arch.base import Arch, attention_shapes, config_fields, register
 from ckpttool.arch.keymap import KeyMap
 from ckpttool.errors import InputError, PlanError
 from ckpttool.kernels.mxfp4 import VALUES_PER_BLOCK, check_mxfp4, dequant_mxfp4
@@ -154,7 +154,7 @@ class GptOssConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: object = "config.json") -> "GptOssConfig":
-        try:
+        with config_fields(source):
             if raw.get("model_type") != "gpt_oss":
                 raise InputError(f"model_type is {raw.get('model_type')!r}, not 'gpt_oss'", file=source,
                                  fix="use the DeepSeek path for DeepSeek checkpoints")
@@ -189,11 +189,6 @@ class GptOssConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 mxfp4=quant.get("quant_method") == "mxfp4",
             )
-        except KeyError as exc:
-            raise InputError(f"config.json lacks required field {exc.args[0]!r}", file=source,
-                             fix="use the config.json published with the checkpoint") from None
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"config.json has a field of the wrong type: {exc}", file=source) from None
         cfg._check(source)
         return cfg
 
