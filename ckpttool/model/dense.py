@@ -277,12 +277,12 @@ def hf_source(native: str, ctx: ParallelContext, cfg: DenseConfig) -> tuple[str,
 def load_hf_dense(model: DenseTransformer, directory: Path, n_layers: int = 0) -> None:
     """Load a whole HF checkpoint into an mp=1 model, strictly (every parameter, nothing extra)."""
     from ckpttool.io.checkpoint import Checkpoint
-    from ckpttool.model.loading import _check_tensors
+    from ckpttool.model.loading import check_tensors
 
     with Checkpoint(directory) as ckpt:
         params = dict(model.named_parameters())
         names = {hf_source(n, ParallelContext(), model.args.cfg)[0]: n for n in params}
-        _check_tensors(params, {names.get(hf, hf): (hf, src.info) for hf, src in ckpt.tensors.items()}, directory)
+        check_tensors(params, {names.get(hf, hf): (hf, src.info) for hf, src in ckpt.tensors.items()}, directory)
         for hf, name in names.items():
             params[name].data.copy_(ckpt.read(hf))
 
@@ -292,6 +292,7 @@ def dense_weight_differences(model: DenseTransformer, ctx: ParallelContext, refe
     """Every loaded weight against its slice of the reference HF checkpoint (FP8 compared dequantized)."""
     from ckpttool.io.checkpoint import Checkpoint
     from ckpttool.kernels.fp8 import dequant_fp8_block
+    from ckpttool.model.loading import slice_difference
 
     problems = []
     with Checkpoint(reference) as ckpt:
@@ -311,11 +312,8 @@ def dense_weight_differences(model: DenseTransformer, ctx: ParallelContext, refe
                 if narrow is not None:
                     theirs = theirs.narrow(*narrow)
                 theirs = theirs.to(mine.device, mine.dtype)
-                if theirs.shape != mine.shape:
-                    problems.append(f"tensor {name!r} in {shard.name} has shape {list(mine.shape)}, its slice of "
-                                    f"{hf!r} has {list(theirs.shape)}")
-                elif not torch.equal(mine, theirs):
-                    problems.append(f"tensor {name!r} in {shard.name} differs from its slice of reference {hf!r}")
+                if (problem := slice_difference(name, shard, hf, mine, theirs)) is not None:
+                    problems.append(problem)
                 if len(problems) >= limit:
                     return problems
     return problems

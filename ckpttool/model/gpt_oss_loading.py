@@ -22,7 +22,7 @@ from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.safetensors import TensorInfo, read_bytes, read_header, tensor_from_bytes
 from ckpttool.kernels.mxfp4 import check_mxfp4
 from ckpttool.model.gpt_oss import Transformer
-from ckpttool.model.loading import _MAX_LISTED, _check_tensors
+from ckpttool.model.loading import MAX_LISTED, check_tensors, slice_difference
 from ckpttool.model.parallel import ParallelContext
 
 Sources = dict[str, tuple[str, TensorInfo]]  # native name -> (name in the file, header entry)
@@ -79,11 +79,11 @@ def _plan(params: dict[str, nn.Parameter], sources: Sources, where: Path) -> dic
                 problems.append((file_blocks, f"MXFP4 {file_blocks!r} {list(b.shape)} does not dequantize to the "
                                               f"{list(param.shape)} the model expects"))
     if problems:
-        listed = "; ".join(text for _, text in problems[:_MAX_LISTED])
+        listed = "; ".join(text for _, text in problems[:MAX_LISTED])
         raise InputError(f"{len(problems)} problem(s) loading MXFP4 expert weights: {listed}", file=where,
                          tensor=problems[0][0], fix="re-run the conversion into an empty directory")
     paired = {n for pair in pairs.values() for n in pair}
-    _check_tensors({n: p for n, p in params.items() if n not in pairs},
+    check_tensors({n: p for n, p in params.items() if n not in pairs},
                    {n: src for n, src in sources.items() if n not in paired}, where)
     return {n: pairs.get(n, (n,)) for n in params}
 
@@ -144,7 +144,7 @@ def load_hf_gpt_oss(model: nn.Module, directory: Path, n_layers: int = 0) -> Non
 
 
 def gpt_oss_weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, n_layers: int,
-                               shard: Path, limit: int = _MAX_LISTED) -> list[str]:
+                               shard: Path, limit: int = MAX_LISTED) -> list[str]:
     """Compare every loaded weight with its slice of the reference HF checkpoint, MXFP4 compared
     dequantized on either side; a lossless conversion makes them equal. Returns what differs."""
     problems: list[str] = []
@@ -161,13 +161,8 @@ def gpt_oss_weight_differences(model: nn.Module, ctx: ParallelContext, reference
                 theirs = theirs.chunk(ctx.world_size, split)[ctx.rank]
             theirs = theirs.to(param.device, param.dtype)
             hf = sources[names[0]][0]
-            if theirs.shape != param.shape:
-                problems.append(f"tensor {name!r} in {shard.name} has shape {list(param.shape)}, its slice of "
-                                f"{hf!r} has {list(theirs.shape)}")
-            elif not torch.equal(param, theirs):
-                diff = float((param.float() - theirs.float()).abs().max())
-                problems.append(f"tensor {name!r} in {shard.name} differs from its slice of reference {hf!r} "
-                                f"(max abs diff {diff:.3g})")
+            if (problem := slice_difference(name, shard, hf, param, theirs)) is not None:
+                problems.append(problem)
             if len(problems) >= limit:
                 break
     return problems

@@ -22,7 +22,7 @@ from ckpttool.model.parallel import Linear, ParallelContext
 
 _FLOAT_FILE_DTYPES = {"BF16", "F16", "F32"}
 _FP8_FILE_DTYPES = {"F8_E4M3"}
-_MAX_LISTED = 8
+MAX_LISTED = 8
 
 
 def mp_file_name(rank: int, world_size: int) -> str:
@@ -37,7 +37,7 @@ def load_mp_shard(model: nn.Module, path: Path) -> None:
                          fix="convert again with the same --mp, or pass the directory that holds every rank's file")
     header = read_header(path)
     params = dict(model.named_parameters())
-    _check_tensors(params, {name: (name, info) for name, info in header.tensors.items()}, path)
+    check_tensors(params, {name: (name, info) for name, info in header.tensors.items()}, path)
     fd = os.open(path, os.O_RDONLY)
     try:
         for name, param in params.items():
@@ -58,13 +58,13 @@ def load_hf_checkpoint(model: nn.Module, directory: Path, n_layers: int) -> None
             if layer is not None and layer >= n_layers:
                 continue  # multi-token-prediction layers are not part of the model
             available[wanted.get(hf, hf)] = (hf, src.info)
-        _check_tensors(params, available, directory)
+        check_tensors(params, available, directory)
         for name, param in params.items():
             param.data.copy_(ckpt.read(hf_name(name)))
 
 
 def weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, n_layers: int,
-                       shard: Path, limit: int = _MAX_LISTED) -> list[str]:
+                       shard: Path, limit: int = MAX_LISTED) -> list[str]:
     """Compare every loaded weight with its slice of the reference HF checkpoint, as dense values
     (FP8 dequantized on either side). A lossless conversion makes them equal; returns what differs."""
     problems = []
@@ -86,19 +86,24 @@ def weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, 
                     part = theirs.shape[split] // ctx.world_size
                     theirs = theirs.narrow(split, ctx.rank * part, part)
                 theirs = theirs.to(mine.device, mine.dtype)
-                if theirs.shape != mine.shape:
-                    problems.append(f"tensor {name!r} in {shard.name} has shape {list(mine.shape)}, its slice of "
-                                    f"{hf!r} has {list(theirs.shape)}")
-                elif not torch.equal(mine, theirs):
-                    diff = float((mine.float() - theirs.float()).abs().max())
-                    problems.append(f"tensor {name!r} in {shard.name} differs from its slice of reference {hf!r} "
-                                    f"(max abs diff {diff:.3g})")
+                if (problem := slice_difference(name, shard, hf, mine, theirs)) is not None:
+                    problems.append(problem)
                 if len(problems) >= limit:
                     return problems
     return problems
 
 
-def _check_tensors(params: dict[str, nn.Parameter], found: dict[str, tuple[str, TensorInfo]], where: Path) -> None:
+def slice_difference(name: str, shard: Path, hf: str, mine: torch.Tensor, theirs: torch.Tensor) -> str | None:
+    """Why a loaded tensor is not exactly its slice of the reference, or None when it is."""
+    if theirs.shape != mine.shape:
+        return f"tensor {name!r} in {shard.name} has shape {list(mine.shape)}, its slice of {hf!r} has {list(theirs.shape)}"
+    if not torch.equal(mine, theirs):
+        diff = float((mine.float() - theirs.float()).abs().max())
+        return f"tensor {name!r} in {shard.name} differs from its slice of reference {hf!r} (max abs diff {diff:.3g})"
+    return None
+
+
+def check_tensors(params: dict[str, nn.Parameter], found: dict[str, tuple[str, TensorInfo]], where: Path) -> None:
     """`found` maps model parameter name -> (name in the file, header entry). Raises one InputError
     listing every problem, naming the first tensor."""
     problems: list[tuple[str, str]] = []
@@ -121,8 +126,8 @@ def _check_tensors(params: dict[str, nn.Parameter], found: dict[str, tuple[str, 
                                                                  if info.dtype in _FP8_FILE_DTYPES else "")))
     if not problems:
         return
-    listed = "; ".join(text for _, text in problems[:_MAX_LISTED])
-    more = f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+    listed = "; ".join(text for _, text in problems[:MAX_LISTED])
+    more = f"; and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
     raise InputError(f"{len(problems)} problem(s) loading weights: {listed}{more}", file=where,
                      tensor=problems[0][0],
                      fix="the files do not match config.json and this --mp; re-run the conversion into an empty "
