@@ -40,19 +40,23 @@ class Group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(hours=12))
             self._owned = True
 
-    def share_outcome(self, error: CkptError | None) -> None:
-        """Rank 0's set-up result reaches every rank: all proceed, or all raise the same error."""
+    def share_outcome(self, error: CkptError | None, value: object = None) -> object:
+        """Rank 0's set-up result reaches every rank: all raise the same error, or all get rank 0's
+        `value` (what it decided, so no rank re-derives it from the disk)."""
         if self.world_size == 1:
             if error is not None:
                 raise error
-            return
-        box = [None if error is None else (type(error), error.message, error.file, error.tensor, error.fix)]
+            return value
+        err = None if error is None else (type(error), error.message, error.file, error.tensor, error.fix)
+        box = [(err, value)]
         dist.broadcast_object_list(box, src=0)
-        if box[0] is not None:
+        err, value = box[0]
+        if err is not None:
             if self.rank == 0 and error is not None:
                 raise error
-            cls, message, file, tensor, fix = box[0]
+            cls, message, file, tensor, fix = err
             raise cls(message, file=file, tensor=tensor, fix=fix)
+        return value
 
     def all_ok(self, ok: bool) -> bool:
         """True only if every rank finished its share."""

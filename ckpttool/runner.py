@@ -85,8 +85,7 @@ def _convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions, group: Group) 
                     staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite)
         except CkptError as exc:
             setup_error = exc
-        group.share_outcome(setup_error)
-        if complete or (group.world_size > 1 and _already_complete_shared(dst, plan, opts)):
+        if group.share_outcome(setup_error, complete):
             return RunResult(plan, dst, time.monotonic() - started, 0, already_complete=True)
         if staging is None:  # a rank > 0 joins what rank 0 set up
             staging = Staging(dst, plan, resume=True, rank=group.rank)
@@ -130,10 +129,6 @@ def _already_complete(dst: Path, plan, opts: ExecOptions) -> bool:
         raise OutputError("--resume: the output here was produced by a different plan", file=dst,
                           fix="rerun with the original arguments, or --overwrite to start over")
     return True
-
-
-def _already_complete_shared(dst: Path, plan, opts: ExecOptions) -> bool:
-    return opts.resume and not (dst / PARTIAL_DIR).exists() and (read_manifest(dst) or {}).get("plan_hash") == plan.hash
 
 
 def parse_size(text: str | int) -> int:

@@ -39,3 +39,14 @@ def test_torchrun_setup_error_reaches_every_rank(tiny_v3, tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.count("output directory is not empty") >= 2  # both ranks report rank 0's finding
     assert (tmp_path / "busy" / "x").read_text() == "mine"
+
+
+def test_torchrun_resume_of_published_output_is_a_no_op_on_every_rank(tiny_v3, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "ckpttool", "convert", str(tiny_v3), str(tmp_path / "out"), "--mp", "2"]
+    assert subprocess.run([*cmd, "--quiet"], capture_output=True, text=True, timeout=600).returncode == 0
+    before = _tree(tmp_path / "out")
+    proc = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "already complete" in proc.stdout  # rank 0's decision, shared with rank 1
+    assert _tree(tmp_path / "out") == before
