@@ -101,6 +101,26 @@ def drop_caches() -> bool:
         return False
 
 
+def block_device(path: Path) -> str | None:
+    """The /proc/diskstats name of the block device holding path (e.g. vda), or None."""
+    st = os.stat(path)
+    try:
+        name = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}").resolve().name
+    except OSError:
+        return None
+    return name if any(ln.split()[2:3] == [name] for ln in _read("/proc/diskstats").splitlines()) else None
+
+
+def disk_bytes(device: str | None) -> tuple[int, int]:
+    """(bytes read, bytes written) by the block device since boot, from /proc/diskstats."""
+    if device:
+        for ln in _read("/proc/diskstats").splitlines():
+            f = ln.split()
+            if len(f) > 9 and f[2] == device:
+                return int(f[5]) * 512, int(f[9]) * 512
+    return 0, 0
+
+
 def _proc_tree(pid: int) -> list[int]:
     """pid and its descendants, from the parent pid in /proc/*/stat (works where the kernel has no
     /proc/PID/task/TID/children, as in some sandboxes)."""
@@ -142,6 +162,10 @@ class Sampler(threading.Thread):
     def __init__(self, fs_path: Path, watch: list[Path], interval: float = 0.1):
         super().__init__(daemon=True)
         self.fs_path, self.watch, self.interval = fs_path, watch, interval
+        self.device = block_device(fs_path)
+        self.started = time.monotonic()
+        self.disk0 = disk_bytes(self.device)
+        self.timeline: list[tuple[float, int, int]] = []  # (seconds, bytes read, bytes written) since start
         self.pid: int | None = None
         self.peak_used = fs_used(fs_path)
         self.peak_watched = allocated_bytes(watch)
@@ -154,6 +178,9 @@ class Sampler(threading.Thread):
             self._halt.wait(self.interval)
 
     def sample(self) -> None:
+        if self.device:
+            r, w = disk_bytes(self.device)
+            self.timeline.append((time.monotonic() - self.started, r - self.disk0[0], w - self.disk0[1]))
         try:
             self.peak_used = max(self.peak_used, fs_used(self.fs_path))
         except OSError:
@@ -171,6 +198,19 @@ class Sampler(threading.Thread):
         self._halt.set()
         self.join()
         self.sample()
+
+    def disk_summary(self) -> dict:
+        """Block-device bytes over the step, and per-second read/write rates (GB/s): shows whether
+        the disk was kept busy or sat idle while the command computed."""
+        if not self.timeline:
+            return {}
+        per_s, last, t_next = [], (0.0, 0, 0), 1.0
+        for t, r, w in self.timeline:
+            if t >= t_next:
+                per_s.append((round((r - last[1]) / (t - last[0]) / GB, 2), round((w - last[2]) / (t - last[0]) / GB, 2)))
+                last, t_next = (t, r, w), t_next + 1.0
+        return {"device": self.device, "disk_read_bytes": self.timeline[-1][1], "disk_write_bytes": self.timeline[-1][2],
+                "disk_gbs_per_second": per_s}
 
 
 # Runs the command and reports its wait4 rusage. A separate small process, because a child's
@@ -190,10 +230,12 @@ sys.exit(code if code >= 0 else 128 - code)
 def run_measured(cmd: list[str], *, fs_path: Path, log_dir: Path, label: str, cwd: Path | None = None,
                  env: dict | None = None, timeout: float | None = None, drop: bool = True,
                  disk_baseline: int | None = None, bytes_written: int | None = None,
-                 watch: list[Path] | None = None) -> dict:
+                 watch: list[Path] | None = None, prewarm: list[Path] | None = None) -> dict:
     """Run cmd to completion; wall time, time to a durable sync, peak RSS, peak extra disk (files under
-    `watch`, and the whole filesystem of fs_path, which other users of the machine can disturb)."""
+    `watch`, and the whole filesystem of fs_path, which other users of the machine can disturb).
+    `prewarm`: files read into the page cache after the drop, before the clock starts."""
     dropped = drop_caches() if drop else False
+    warmed = sum(read_through(p) for p in prewarm or [])
     baseline = fs_used(fs_path) if disk_baseline is None else disk_baseline
     log_dir.mkdir(parents=True, exist_ok=True)
     out_path, err_path = log_dir / f"{label}.out", log_dir / f"{label}.err"
@@ -241,7 +283,8 @@ def run_measured(cmd: list[str], *, fs_path: Path, log_dir: Path, label: str, cw
         "peak_extra_disk_bytes": sampler.peak_watched if watch else max(0, sampler.peak_used - baseline),
         "peak_extra_disk_fs_bytes": max(0, sampler.peak_used - baseline),
         "loadavg_before": _read("/proc/loadavg").split()[:3],
-        "cold_cache": dropped,
+        "cold_cache": dropped and not warmed, "prewarmed_bytes": warmed,
+        **sampler.disk_summary(),
         "user_s": round(usage["utime"], 2), "sys_s": round(usage["stime"], 2),
     }
     if bytes_written is not None:
@@ -249,6 +292,18 @@ def run_measured(cmd: list[str], *, fs_path: Path, log_dir: Path, label: str, cw
     if proc.returncode != 0:
         rec["stderr_tail"] = err_path.read_text(errors="replace")[-2000:]
     return rec
+
+
+def read_through(path: Path) -> int:
+    """Read every file under path once (into the page cache); bytes read."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    total = 0
+    buf = bytearray(16 << 20)
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                total += n
+    return total
 
 
 # -- output comparison ---------------------------------------------------------------------------
@@ -441,12 +496,14 @@ class Bench:
 
     def measure(self, name: str, cmd: list[str], *, out_dir: Path | None = None, cwd: Path | None = None,
                 disk_baseline: int | None = None, cap: float | None = None, bytes_written: int | None = None,
-                bytes_read: int | None = None, watch: list[Path] | None = None) -> dict:
+                bytes_read: int | None = None, watch: list[Path] | None = None, inputs: list[Path] | None = None) -> dict:
+        """`inputs`: what the command reads; with --warm-input they are in the page cache when it starts."""
         if watch is None and out_dir is not None:
             watch = [out_dir]
         rec = run_measured([str(c) for c in cmd], fs_path=self.work, log_dir=self.logs, label=name, cwd=cwd,
                            env=self.env, timeout=self.timeout(cap), drop=self.args.drop_caches,
-                           disk_baseline=disk_baseline, bytes_written=bytes_written, watch=watch)
+                           disk_baseline=disk_baseline, bytes_written=bytes_written, watch=watch,
+                           prewarm=inputs if self.args.warm_input else None)
         if bytes_read is not None:
             rec["bytes_read"] = bytes_read
         if out_dir is not None:
@@ -506,6 +563,14 @@ class Bench:
         rd = ["dd", f"if={f}", "of=/dev/null", "bs=16M", "status=none"] + ([] if drop else ["iflag=direct"])
         rec = self.measure("disk-read-cold", rd, cap=300, bytes_read=nbytes, watch=[])
         disk["read"] = nbytes / rec["wall_s"]
+        # a cold read of that file while another is written: a conversion's cold input shares the disk
+        rec = self.measure("disk-read+write", [self.python, BENCH / "io_probe.py", "read-write", "--dir", self.work / "rw",
+                                               "--read", f, "--gib", nbytes / GiB], cap=300, watch=[])
+        got = self._child_json("disk-read+write")
+        if rec["rc"] == 0 and got:
+            disk.update(read_write_total=got["total_gbs"] * GB, read_write_read=got["read_gbs"] * GB,
+                        read_write_write=got["write_gbs"] * GB)
+        shutil.rmtree(self.work / "rw", ignore_errors=True)
         f.unlink()
         rec = self.measure("disk-write-dd-direct", dd + ["oflag=direct", "conv=fsync"], cap=300, bytes_written=nbytes, watch=[f])
         if rec["rc"] == 0:
@@ -521,6 +586,13 @@ class Bench:
         if rec["rc"] == 0:
             disk["write_random"] = rec["bytes_written"] / rec["durable_s"]
         f.unlink(missing_ok=True)
+        # 8 threads writing 8 MiB pieces with an fdatasync per GiB, the way ckpttool writes
+        rec = self.measure("disk-write-mt", [self.python, BENCH / "io_probe.py", "write-mt", "--dir", self.work / "mt",
+                                             "--gib", nbytes / GiB], cap=300, watch=[self.work / "mt"])
+        got = self._child_json("disk-write-mt")
+        if rec["rc"] == 0 and got:
+            disk["write_mt"] = got["bytes"] / rec["durable_s"]
+        shutil.rmtree(self.work / "mt", ignore_errors=True)
         # read and write at once, as a conversion does: copy the source's largest file
         big = max(self.src.glob("*.safetensors"), key=lambda p: p.stat().st_size)
         size = big.stat().st_size
@@ -535,7 +607,8 @@ class Bench:
     def step_convert(self) -> None:
         dst = self.fresh("ckpttool-mp")
         rec = self.measure("convert", self.ckpttool("convert", self.src, dst, "--mp", self.args.mp, "--dtype", "bf16",
-                                                    "--json", *shlex.split(self.args.convert_args)), out_dir=dst)
+                                                    "--json", *shlex.split(self.args.convert_args)),
+                           out_dir=dst, inputs=[self.src])
         self._attach_report(rec, "convert")
         if rec["rc"] == 0:
             self.digest("convert", dst)
@@ -543,11 +616,18 @@ class Bench:
             self.check("convert == hybrid reference (mp shards)", "convert", "hybrid")
         self.cleanup(dst)
 
+    def _child_json(self, label: str) -> dict | None:
+        text = (self.logs / f"{label}.out").read_text(errors="replace")
+        try:
+            return json.loads(text[text.index("{"):])
+        except ValueError:
+            return None
+
     def _attach_report(self, rec: dict, label: str) -> None:
         text = (self.logs / f"{label}.out").read_text(errors="replace")
         try:
             rec["ckpttool_report"] = {k: v for k, v in json.loads(text[text.index("{"):]).items()
-                                      if k in ("seconds", "gb_per_s", "bytes_written", "tensors", "plan_hash")}
+                                      if k in ("seconds", "gb_per_s", "bytes_written", "tensors", "plan_hash", "timing")}
         except ValueError:
             pass
         self.save()
@@ -576,20 +656,22 @@ class Bench:
         baseline = fs_used(self.work)  # both passes count against the same baseline: pass 1's output stays
         r1 = self.measure("reference-1-fp8_cast_bf16", [self.python, "fp8_cast_bf16.py", "--input-fp8-hf-path",
                                                         self.src, "--output-bf16-hf-path", bf16],
-                          out_dir=bf16, cwd=copy, disk_baseline=baseline, watch=[bf16, mp])
+                          out_dir=bf16, cwd=copy, disk_baseline=baseline, watch=[bf16, mp], inputs=[self.src])
         if r1["rc"] != 0:
             return self.cleanup(bf16, mp)
         r2 = self.measure("reference-2-convert", [self.python, "convert.py", "--hf-ckpt-path", bf16, "--save-path", mp,
                                                   "--n-experts", n_experts, "--model-parallel", self.args.mp],
-                          out_dir=mp, cwd=copy, disk_baseline=baseline, watch=[bf16, mp])
+                          out_dir=mp, cwd=copy, disk_baseline=baseline, watch=[bf16, mp], inputs=[bf16])
         if r2["rc"] == 0:
-            total = {k: r1[k] + r2[k] for k in ("wall_s", "durable_s", "bytes_written")}
+            total = {k: r1[k] + r2[k] for k in ("wall_s", "durable_s", "bytes_written", "disk_read_bytes",
+                                                  "disk_write_bytes") if k in r1 and k in r2}
             total.update(peak_rss_bytes=max(r1["peak_rss_bytes"], r2["peak_rss_bytes"]),
                          peak_tree_rss_anon_bytes=max(r1["peak_tree_rss_anon_bytes"], r2["peak_tree_rss_anon_bytes"]),
                          peak_extra_disk_bytes=max(r1["peak_extra_disk_bytes"], r2["peak_extra_disk_bytes"]),
                          peak_extra_disk_fs_bytes=max(r1["peak_extra_disk_fs_bytes"], r2["peak_extra_disk_fs_bytes"]),
                          output_bytes_safetensors=r2["output_bytes_safetensors"], rc=0,
-                         cold_cache=r1["cold_cache"] and r2["cold_cache"])
+                         cold_cache=r1["cold_cache"] and r2["cold_cache"],
+                         prewarmed_bytes=r1["prewarmed_bytes"] + r2["prewarmed_bytes"])
             self.res["steps"]["reference-total"] = total
             self.digest("reference", mp)
             self.digest("reference-bf16", bf16)
@@ -626,7 +708,7 @@ class Bench:
                 return self.skip(name, why)
         dst = self.fresh(name)
         rec = self.measure(name, self.ckpttool("dequant", self.src, dst, "--device", device, "--json",
-                                               *shlex.split(self.args.convert_args)), out_dir=dst)
+                                               *shlex.split(self.args.convert_args)), out_dir=dst, inputs=[self.src])
         self._attach_report(rec, name)
         if rec["rc"] == 0:
             self.digest(name, dst)
@@ -644,7 +726,8 @@ class Bench:
         rec = self.measure("hybrid-reference-convert", [self.python, seeds / "convert.py", "--hf-ckpt-path", hf,
                                                         "--save-path", mp, "--n-experts",
                                                         self.res["source"]["n_routed_experts"],
-                                                        "--model-parallel", self.args.mp], out_dir=mp, cwd=seeds)
+                                                        "--model-parallel", self.args.mp], out_dir=mp, cwd=seeds,
+                           inputs=[hf])
         if rec["rc"] == 0:
             self.digest("hybrid", mp)
             self.check("convert == hybrid reference (mp shards)", "convert", "hybrid")
@@ -654,7 +737,8 @@ class Bench:
         if "hybrid" in self.digests or "hybrid-reference-convert" in self.res["steps"]:
             return
         hf = self.fresh("hybrid-hf")
-        rec = self.measure("hybrid-dequant", self.ckpttool("dequant", self.src, hf, "--json"), out_dir=hf)
+        rec = self.measure("hybrid-dequant", self.ckpttool("dequant", self.src, hf, "--json"), out_dir=hf,
+                           inputs=[self.src])
         if rec["rc"] == 0:
             self.run_hybrid(hf)
         self.cleanup(hf)
@@ -683,7 +767,8 @@ class Bench:
             dst = self.fresh(f"flat-{i}")
             rec = self.measure(f"flat-{i}", self.ckpttool("convert", src, dst, "--mp", self.args.mp, "--dtype", "bf16",
                                                           "--max-memory", self.args.flat_max_memory, "--json",
-                                                          *shlex.split(self.args.convert_args)), out_dir=dst)
+                                                          *shlex.split(self.args.convert_args)),
+                               out_dir=dst, inputs=[src])
             self.cleanup(dst)
             flat.append({"src": str(src), "generated_with": gen, "src_bytes": source_info(src)["bytes"],
                          "rc": rec["rc"], "peak_rss_bytes": rec["peak_rss_bytes"],
@@ -701,6 +786,7 @@ class Bench:
         self.res["machine"] = machine_info(self.work, self.python)
         self.res["source"] = source_info(self.src)
         self.res["drop_caches"] = self.args.drop_caches and drop_caches()
+        self.res["warm_input"] = self.args.warm_input
         if self.args.drop_caches and not self.res["drop_caches"]:
             print("[bench] cannot drop the page cache (not root?): reads may be warm", flush=True)
         self.save()
@@ -745,14 +831,23 @@ def summarize(res: dict) -> dict:
         s["convert_peak_rss_gib"] = round(conv["peak_rss_bytes"] / GiB, 3)
         s["convert_peak_rss_ok (<= 2 GiB)"] = conv["peak_rss_bytes"] <= 2 * GiB
         s["convert_peak_extra_disk_over_output"] = round(conv["peak_extra_disk_bytes"] / max(conv["bytes_written"], 1), 3)
+        timing = conv.get("ckpttool_report", {}).get("timing", {}).get("phases_s", {})
+        if timing.get("total"):
+            s["convert_process_startup_s"] = round(conv["wall_s"] - timing["total"], 2)
         if ok(ref):
             s["speedup_vs_reference"] = round(ref["durable_s"] / conv["durable_s"], 2)
             s["speedup_ok (>= 3.5x)"] = s["speedup_vs_reference"] >= 3.5
+            s["speedup_vs_reference_wall"] = round(ref["wall_s"] / conv["wall_s"], 2)
         if disk.get("write_best"):
             s["disk_write_best_gb_per_s"] = round(disk["write_best"] / GB, 3)
             eff = conv["bytes_written"] / disk["write_best"] / conv["durable_s"]
             s["convert_fraction_of_disk_write_bw"] = round(eff, 3)
             s["disk_bw_ok (>= 0.8)"] = eff >= 0.8
+        if disk.get("read_write_total") and conv.get("disk_read_bytes") is not None:
+            # with a cold input the same disk also serves the reads: measure against both streams at once
+            moved = conv["disk_read_bytes"] + conv["disk_write_bytes"]
+            s["convert_disk_gb_moved"] = round(moved / GB, 2)
+            s["convert_fraction_of_read_write_bw"] = round(moved / conv["durable_s"] / disk["read_write_total"], 3)
     cpu, gpu = steps.get("dequant-cpu"), steps.get("dequant-cuda")
     if ok(cpu) and ok(gpu):
         s["dequant_cpu_over_cuda"] = round(cpu["durable_s"] / gpu["durable_s"], 2)
@@ -794,10 +889,12 @@ def render_markdown(res: dict) -> str:
     if src.get("generated_by"):
         lines.append(f"- generated by: `{src['generated_by']}`")
     lines += [f"- command: `{res['command']}`",
-              f"- page cache dropped before each command: {'yes' if res.get('drop_caches') else 'NO (reads may be warm)'}",
+              f"- page cache dropped before each command: {'yes' if res.get('drop_caches') else 'NO (reads may be warm)'}"
+              + ("; then each command's input read into it (--warm-input: the disk only writes)" if res.get("warm_input") else ""),
               ""]
     lines += ["| step | wall s | durable s | GB written | GB/s | % disk write BW | peak RSS GiB | peak anon RSS GiB "
-              "| peak extra disk GB | (whole fs) | cold |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|"]
+              "| peak extra disk GB | (whole fs) | input | disk GB read | disk GB written |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|---:|---:|"]
     best = res.get("disk", {}).get("write_best")
     for name, r in res.get("steps", {}).items():
         w = r.get("bytes_written")
@@ -810,11 +907,29 @@ def render_markdown(res: dict) -> str:
                      f"{'' if rate is None else f'{rate / GB:.2f}'} | {pct} | {_gib(r.get('peak_rss_bytes'))} | "
                      f"{_gib(r.get('peak_tree_rss_anon_bytes'))} | {_gb(r.get('peak_extra_disk_bytes'))} | "
                      f"{_gb(r.get('peak_extra_disk_fs_bytes'))} | "
-                     f"{'' if 'cold_cache' not in r else 'y' if r['cold_cache'] else 'n'} |")
+                     f"{'warm' if r.get('prewarmed_bytes') else 'cold' if r.get('cold_cache') else ''} | "
+                     f"{_gb(r.get('disk_read_bytes'))} | {_gb(r.get('disk_write_bytes'))} |")
+    timed = {n: r["ckpttool_report"]["timing"] for n, r in res.get("steps", {}).items()
+             if r.get("ckpttool_report", {}).get("timing")}
+    if timed:
+        lines += ["", "Where ckpttool's time went (`--json` timing: wall seconds per phase; seconds summed over threads "
+                      "per activity):"]
+        for n, t in timed.items():
+            start = res["steps"][n]["wall_s"] - t["phases_s"].get("total", 0)
+            lines.append(f"- {n}: process start-up (interpreter, imports) {start:.1f}; phases "
+                         + ", ".join(f"{k} {v:.1f}" for k, v in t["phases_s"].items())
+                         + "; threads " + ", ".join(f"{k} {v:.1f}" for k, v in t["thread_s"].items())
+                         + "".join(f"; {k} {v}" for k, v in t.get("counts", {}).items()))
+    series = {n: r["disk_gbs_per_second"] for n, r in res.get("steps", {}).items()
+              if r.get("disk_gbs_per_second") and not n.startswith("disk-")}
+    if series:
+        lines += ["", "Disk rates per second of each command (GB/s read/written, from /proc/diskstats):"]
+        lines += [f"- {n}: " + " ".join(f"{r:g}/{w:g}" for r, w in v) for n, v in series.items()]
     disk = res.get("disk")
     if disk:
         lines += ["", "Disk (GB/s): " + ", ".join(f"{k} {v / GB:.2f}" for k, v in disk.items() if k != "bytes")
-                  + f" (over {disk['bytes'] / GB:.1f} GB; read is cold, copy reads and writes at once)"]
+                  + f" (over {disk['bytes'] / GB:.1f} GB; read is cold; write_mt is 8 threads with an fdatasync per GiB; "
+                    "read_write_* is a cold read and a write at the same time; copy is dd from a source file)"]
     k = res.get("kernel")
     if k:
         lines += ["", "Dequant kernel, FP8 [7168, 18432] -> BF16 (bytes read + written / time):"]
@@ -877,6 +992,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-step-s", type=float, default=20, help="skip a step when fewer seconds than this are left")
     p.add_argument("--python", default=sys.executable, help="interpreter for ckpttool and the reference scripts")
     p.add_argument("--no-drop-caches", dest="drop_caches", action="store_false")
+    p.add_argument("--warm-input", action="store_true",
+                   help="after dropping the cache, read each command's input into it before timing (for both "
+                        "ckpttool and the reference): the disk then only writes, as with input on another device")
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip the bit-exact output checks")
     p.add_argument("--keep-outputs", action="store_true", help="keep converted outputs and logs in --work")
     p.add_argument("--kernel-cpu", action="store_true", help="also time the CPU dequant path in the kernel step")

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ckpttool.accel import CudaTransforms
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.safetensors import DTYPES, itemsize, read_bytes, tensor_from_bytes
 from ckpttool.io.writer import Staging
 from ckpttool.plan import PlacedTensor, Plan
+from ckpttool.timing import Timings
 from ckpttool.transforms import TRANSFORMS, WHOLE_TENSOR
 
 # Journal granularity: work done since the last commit is redone after a crash.
@@ -124,14 +126,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def read_rows(ckpt: Checkpoint, name: str, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of dim 0 (the whole tensor for a scalar): one contiguous byte range."""
+def read_rows(ckpt: Checkpoint, name: str, r0: int, r1: int, gpu: CudaTransforms | None = None) -> torch.Tensor:
+    """Rows [r0, r1) of dim 0 (the whole tensor for a scalar): one contiguous byte range, read
+    into the worker's pinned buffer when `gpu` is up."""
     src = ckpt.source(name)
     info = src.info
     if not info.shape:
         return ckpt.read(name)
     row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
-    buf = read_bytes(ckpt.fd(src.file), info.start + r0 * row_bytes, (r1 - r0) * row_bytes, ckpt.root / src.file)
+    nbytes = (r1 - r0) * row_bytes
+    out = gpu.input_buffer(nbytes) if gpu is not None and nbytes else None
+    buf = read_bytes(ckpt.fd(src.file), info.start + r0 * row_bytes, nbytes, ckpt.root / src.file, out=out)
     return tensor_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
 
 
@@ -150,13 +155,19 @@ def _check_scale_values(ckpt: Checkpoint, name: str, scale: torch.Tensor) -> Non
                          tensor=name, fix="the checkpoint is corrupt; re-download this shard")
 
 
-def run_task(task: Task, ckpt: Checkpoint, staging: Staging, device: torch.device,
+def run_task(task: Task, ckpt: Checkpoint, staging: Staging, gpu: CudaTransforms | None,
              chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
+    """Stream one task's rows: read, transform (on `gpu` when given and started, else the CPU), write."""
+    clock = staging.timings
     if task.transform in WHOLE_TENSOR:
-        x = WHOLE_TENSOR[task.transform](ckpt.read(task.source))
-        for file, placed in task.pieces:
-            y = x if placed.tensor.narrow is None else x.narrow(*placed.tensor.narrow)
-            staging.pwrite(file, y.contiguous().reshape(-1).view(torch.uint8).numpy(), placed.start)
+        with clock.activity("read"):
+            x = ckpt.read(task.source)
+        with clock.activity("transform"):
+            x = WHOLE_TENSOR[task.transform](x)
+        with clock.activity("write"):
+            for file, placed in task.pieces:
+                y = x if placed.tensor.narrow is None else x.narrow(*placed.tensor.narrow)
+                staging.pwrite(file, y.contiguous().reshape(-1).view(torch.uint8).numpy(), placed.start)
         return list(task.pieces)
     n_rows = task.rows(ckpt)
     lo, hi = _needed_rows(task, n_rows)
@@ -173,16 +184,18 @@ def run_task(task: Task, ckpt: Checkpoint, staging: Staging, device: torch.devic
     scalar = not ckpt.source(task.source).info.shape
     for r0 in range(lo, hi, step):
         r1 = min(r0 + step, hi)
-        x = ckpt.read(task.source) if scalar else read_rows(ckpt, task.source, r0, r1)
+        with clock.activity("read"):
+            x = ckpt.read(task.source) if scalar else read_rows(ckpt, task.source, r0, r1,
+                                                                  gpu if transform is not None else None)
+            if transform is not None:
+                s0, s1 = transform.scale_rows(r0, r1)
+                scale = scale_full[s0:s1] if scale_full is not None else read_rows(ckpt, task.scale, s0, s1)
         if transform is not None:
-            s0, s1 = transform.scale_rows(r0, r1)
-            scale = scale_full[s0:s1] if scale_full is not None else read_rows(ckpt, task.scale, s0, s1)
-            if device.type == "cuda":
-                x = transform.apply(x.to(device, non_blocking=True), scale.to(device, non_blocking=True),
-                                    out_dtype).cpu()
-            else:
-                x = transform.apply(x, scale, out_dtype)
-        _write_rows(task, x, r0, r1, staging)
+            with clock.activity("transform"):
+                x = (gpu.apply(transform, x, scale, out_dtype) if gpu is not None
+                     else transform.apply(x, scale, out_dtype))
+        with clock.activity("write"):
+            _write_rows(task, x, r0, r1, staging)
     return list(task.pieces)
 
 
@@ -242,10 +255,15 @@ class Committer:
 
 def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, workers: int,
             device: str = "auto", progress=None, files: set[str] | None = None,
-            chunk_bytes: int = CHUNK_BYTES) -> None:
-    """Run every task not yet in the journal; commit (fdatasync + journal) in batches."""
+            chunk_bytes: int = CHUNK_BYTES, wait_for_cuda: bool = False) -> None:
+    """Run every task not yet in the journal; commit (fdatasync + journal) in batches. On CUDA the
+    first chunks run on the CPU while the GPU starts, unless `wait_for_cuda`."""
     dev = resolve_device(device)
     tasks = make_tasks(plan, staging.done, staging.published, files)
+    used = sorted({t.transform for t in tasks if t.transform in TRANSFORMS})
+    gpu = CudaTransforms(dev, [TRANSFORMS[n] for n in used], staging.timings) if dev.type == "cuda" and used else None
+    if gpu is not None and wait_for_cuda:
+        gpu.wait()
     # walk each input file front to back: cold sequential reads beat output order (18.6 s vs 23.0 s
     # on a 10.9 GB checkpoint, bench/RESULTS.md); output offsets are planned, so bytes are unchanged
     tasks.sort(key=lambda t: (ckpt.source(t.source).file, ckpt.source(t.source).info.start))
@@ -277,8 +295,9 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
             pending_bytes, last_commit = 0, time.monotonic()
 
     threads = torch.get_num_threads()
-    if dev.type == "cpu":  # share the cores between workers instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    # share the cores between workers instead of oversubscribing them (on CUDA too: the first chunks
+    # run on the CPU while the GPU starts)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool") as pool:
         failed = False
         try:
@@ -287,7 +306,7 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
                 while in_flight and (len(in_flight) >= workers * 2 or budget.used + min(need, budget.limit) > budget.limit):
                     reap(block=True)
                 held = budget.acquire(need)
-                in_flight[pool.submit(run_task, task, ckpt, staging, dev, chunk_bytes)] = (task, held)
+                in_flight[pool.submit(run_task, task, ckpt, staging, gpu, chunk_bytes)] = (task, held)
                 reap(block=False)
             while in_flight:
                 reap(block=True)

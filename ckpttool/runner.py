@@ -14,6 +14,7 @@ from ckpttool.io.writer import PARTIAL_DIR, Staging, check_destination, check_fr
 from ckpttool.pipeline import Spec, make_plan
 from ckpttool.plan import Plan
 from ckpttool.progress import Progress
+from ckpttool.timing import Timings
 
 
 @dataclass(kw_only=True)
@@ -25,6 +26,7 @@ class ExecOptions:
     resume: bool = False
     quiet: bool = False
     chunk_bytes: int = CHUNK_BYTES  # output bytes per streamed run of rows
+    wait_for_cuda: bool = False  # else the first chunks run on the CPU while the GPU starts (same bits)
 
 
 @dataclass
@@ -35,6 +37,7 @@ class RunResult:
     bytes_written: int
     resumed_from: int = 0  # tensors already done by an earlier, interrupted run
     already_complete: bool = False
+    timings: Timings | None = None
 
     def summary(self) -> dict:
         return {
@@ -49,6 +52,7 @@ class RunResult:
             "already_complete": self.already_complete,
             "plan_hash": self.plan.hash,
             "notes": self.plan.notes,
+            **({"timing": self.timings.to_json()} if self.timings is not None else {}),
         }
 
 
@@ -71,24 +75,26 @@ def convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions) -> RunResult:
 
 def _convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions, group: Group) -> RunResult:
     started = time.monotonic()
-    with Checkpoint(src) as ckpt:
+    clock = Timings()
+    with Checkpoint(src) as ckpt, clock.phase("total"):
         staging, setup_error, complete = None, None, False
         plan = None
         try:
             if group.rank == 0:
                 check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)
-            plan = make_plan(ckpt, spec)
+            with clock.phase("plan"):
+                plan = make_plan(ckpt, spec)
             if group.rank == 0:
                 complete = _already_complete(dst, plan, opts)
                 if not complete:
                     dst.mkdir(parents=True, exist_ok=True)
-                    staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite)
+                    staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite, timings=clock)
         except CkptError as exc:
             setup_error = exc
         if group.share_outcome(setup_error, complete):
             return RunResult(plan, dst, time.monotonic() - started, 0, already_complete=True)
         if staging is None:  # a rank > 0 joins what rank 0 set up
-            staging = Staging(dst, plan, resume=True, rank=group.rank)
+            staging = Staging(dst, plan, resume=True, rank=group.rank, timings=clock)
         mine = assign_files(plan, group.world_size)[group.rank] if group.world_size > 1 else None
         ok = False
         try:
@@ -100,10 +106,12 @@ def _convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions, group: Group) 
             if group.rank == 0:
                 check_free_space(dst, todo + (64 << 20))
             label = "converting" if group.world_size == 1 else f"rank {group.rank}/{group.world_size}"
-            with Progress(todo, label, quiet=opts.quiet) as progress:
+            with Progress(todo, label, quiet=opts.quiet) as progress, clock.phase("execute"):
                 execute(plan, ckpt, staging, max_memory=opts.max_memory, workers=opts.workers,
-                        device=opts.device, progress=progress.advance, files=mine, chunk_bytes=opts.chunk_bytes)
-            staging.save_digests()
+                        device=opts.device, progress=progress.advance, files=mine, chunk_bytes=opts.chunk_bytes,
+                        wait_for_cuda=opts.wait_for_cuda)
+            with clock.phase("hash_wait"):
+                staging.save_digests()
             ok = True
         finally:
             staging.close_files()
@@ -113,11 +121,12 @@ def _convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions, group: Group) 
                 raise OutputError("another rank failed; this rank's work is journalled", file=dst / PARTIAL_DIR,
                                   fix="fix the failing rank's error, then rerun the same command with --resume")
             if group.rank == 0:
-                staging.publish(src, overwrite=opts.overwrite)
+                with clock.phase("publish"):
+                    staging.publish(src, overwrite=opts.overwrite)
         finally:
             staging.close()
         group.all_ok(True)  # nobody returns before the output is published
-    return RunResult(plan, dst, time.monotonic() - started, todo, resumed_from=resumed)
+    return RunResult(plan, dst, time.monotonic() - started, todo, resumed_from=resumed, timings=clock)
 
 
 def _already_complete(dst: Path, plan, opts: ExecOptions) -> bool:

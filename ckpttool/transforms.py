@@ -24,6 +24,8 @@ class Transform:
     apply: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
     out_per_source_row: Callable[[tuple[int, ...]], int]
     """output elements per source dim-0 row, for sizing chunks"""
+    example: Callable[[torch.device], tuple[torch.Tensor, torch.Tensor]]
+    """a smallest valid (source, scale) on a device: warms a kernel up before the real data arrives"""
 
 
 def _fp8_block(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -48,12 +50,16 @@ TRANSFORMS: dict[str, Transform] = {
         scale_rows=lambda r0, r1: (r0 // BLOCK, -(-r1 // BLOCK)),
         apply=_fp8_block,
         out_per_source_row=lambda shape: _prod(shape[1:]),
+        example=lambda dev: (torch.zeros(BLOCK, BLOCK, dtype=torch.float8_e4m3fn, device=dev),
+                             torch.ones(1, 1, device=dev)),
     ),
     "mxfp4": Transform(
         name="mxfp4", row_align=1,
         scale_rows=lambda r0, r1: (r0, r1),
         apply=_mxfp4_transposed,
         out_per_source_row=lambda shape: _prod(shape[1:]) * 2,  # [.., G, 16] bytes -> G * 32 values
+        example=lambda dev: (torch.zeros(1, 1, 1, 16, dtype=torch.uint8, device=dev),
+                             torch.full((1, 1, 1), 127, dtype=torch.uint8, device=dev)),
     ),
 }
 

@@ -166,6 +166,26 @@ def test_cuda_convert_equals_cpu_convert_bytes(tiny_v3, tmp_path):
 
 
 @pytest.mark.gpu
+def test_cuda_streams_and_pinned_buffers_change_no_byte(tiny_v3, tmp_path):
+    """Every chunk on the GPU (1 KB chunks: hundreds of them through 3 workers' streams and reused
+    pinned buffers), then the default where early chunks run on the CPU while CUDA starts."""
+    from ckpttool.pipeline import Spec
+    from ckpttool.runner import ExecOptions, convert
+
+    spec = Spec(dequant=True, mp=2)
+    convert(tiny_v3, tmp_path / "cpu", spec, ExecOptions(quiet=True, device="cpu"))
+    gpu = convert(tiny_v3, tmp_path / "gpu", spec, ExecOptions(quiet=True, device="cuda", chunk_bytes=1024,
+                                                              workers=3, wait_for_cuda=True))
+    counts = gpu.timings.to_json()["counts"]
+    assert counts.get("chunks_on_gpu", 0) > 100 and "chunks_on_cpu_while_cuda_started" not in counts, counts
+    mixed = convert(tiny_v3, tmp_path / "mixed", spec, ExecOptions(quiet=True, device="cuda", chunk_bytes=1024))
+    assert sum(mixed.timings.to_json()["counts"].values()) == counts["chunks_on_gpu"]
+    for f in (tmp_path / "cpu").iterdir():
+        assert f.read_bytes() == (tmp_path / "gpu" / f.name).read_bytes(), f.name
+        assert f.read_bytes() == (tmp_path / "mixed" / f.name).read_bytes(), f.name
+
+
+@pytest.mark.gpu
 def test_fused_convert_equals_unmodified_reference_scripts_on_gpu(tiny_v3_no_mtp, tmp_path):
     """The real two-pass reference: fp8_cast_bf16.py (Triton kernel.py, CUDA) then convert.py."""
     import subprocess

@@ -195,3 +195,18 @@ def test_mp_that_cuts_a_head_is_refused_naming_the_field(tiny_gpt_oss, tmp_path,
     assert proc.returncode != 0
     assert field in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.gpu
+def test_cuda_dequant_through_streams_equals_cpu_bytes(tiny_gpt_oss, tmp_path):
+    """MXFP4 experts through the per-worker streams and pinned buffers, every chunk on the GPU."""
+    from ckpttool.pipeline import Spec
+    from ckpttool.runner import ExecOptions, convert
+
+    spec = Spec(dequant=True)
+    convert(tiny_gpt_oss, tmp_path / "cpu", spec, ExecOptions(quiet=True, device="cpu"))
+    gpu = convert(tiny_gpt_oss, tmp_path / "gpu", spec, ExecOptions(quiet=True, device="cuda", chunk_bytes=4096,
+                                                                   workers=3, wait_for_cuda=True))
+    assert gpu.timings.to_json()["counts"]["chunks_on_gpu"] > 10
+    for f in (tmp_path / "cpu").iterdir():
+        assert f.read_bytes() == (tmp_path / "gpu" / f.name).read_bytes(), f.name

@@ -11,6 +11,7 @@ import hashlib
 import heapq
 import os
 import threading
+import time
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -18,8 +19,9 @@ READ_BYTES = 8 << 20
 
 
 class PrefixHasher:
-    def __init__(self, path: Path, size: int, pool: Executor, written_prefix: int = 0):
+    def __init__(self, path: Path, size: int, pool: Executor, written_prefix: int = 0, timings=None):
         self.path, self.size, self.pool = path, size, pool
+        self.timings = timings
         self._sha = hashlib.sha256()
         self._hashed = 0  # bytes fed to sha256
         self._frontier = written_prefix  # bytes known written from offset 0
@@ -49,6 +51,7 @@ class PrefixHasher:
         try:
             # pread, never a buffered reader: read-ahead past the frontier would cache bytes that
             # are not written yet
+            started = time.perf_counter()
             fd = os.open(self.path, os.O_RDONLY)
             try:
                 while True:
@@ -65,6 +68,8 @@ class PrefixHasher:
                         self._hashed += len(block)
             finally:
                 os.close(fd)
+                if self.timings is not None:
+                    self.timings.add("sha256", time.perf_counter() - started)
             if self._hashed >= self.size and not self.done.is_set():
                 self.digest = self._sha.hexdigest()
                 self.done.set()

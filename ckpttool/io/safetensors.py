@@ -320,10 +320,11 @@ def _check_layout(tensors: dict[str, TensorInfo], data_start: int, size: int, pa
                          fix="the file is corrupt or was appended to; re-download it")
 
 
-def read_bytes(fd: int, start: int, nbytes: int, path: object = None) -> np.ndarray:
-    """pread exactly nbytes (looping over short reads), into a fresh uninitialised buffer (a
-    bytearray would be zero-filled first: a wasted pass over every byte read)."""
-    buf = np.empty(nbytes, dtype=np.uint8)
+def read_bytes(fd: int, start: int, nbytes: int, path: object = None, out: np.ndarray | None = None) -> np.ndarray:
+    """pread exactly nbytes (looping over short reads), into `out` (a uint8 array of nbytes, e.g.
+    pinned memory) or a fresh uninitialised buffer (a bytearray would be zero-filled first: a
+    wasted pass over every byte read)."""
+    buf = np.empty(nbytes, dtype=np.uint8) if out is None else out
     view = memoryview(buf)
     done = 0
     while done < nbytes:

@@ -15,6 +15,7 @@ from ckpttool import __version__, faults
 from ckpttool.errors import OutputError
 from ckpttool.io.hashing import PrefixHasher, sha256_file
 from ckpttool.plan import Plan
+from ckpttool.timing import Timings
 
 PARTIAL_DIR = ".ckpttool-partial"
 JOURNAL = "journal.jsonl"
@@ -71,8 +72,10 @@ class Staging:
     its own files and its own journal, so no two processes ever append to the same file.
     """
 
-    def __init__(self, dst: Path, plan: Plan, *, resume: bool, overwrite: bool = False, rank: int = 0):
+    def __init__(self, dst: Path, plan: Plan, *, resume: bool, overwrite: bool = False, rank: int = 0,
+                 timings: Timings | None = None):
         self.dst = Path(dst)
+        self.timings = timings or Timings()
         self.dir = self.dst / PARTIAL_DIR
         self.plan = plan
         self.plan_hash = plan.hash
@@ -131,7 +134,8 @@ class Staging:
                 raise disk_error(exc, path) from None
             self.fds[f.name] = fd
             if not any(fn == f.name for fn, _ in self.done):  # nothing written by an earlier run
-                self._hashers[f.name] = PrefixHasher(path, f.size, self._hash_pool, written_prefix=len(f.header))
+                self._hashers[f.name] = PrefixHasher(path, f.size, self._hash_pool, written_prefix=len(f.header),
+                                                     timings=self.timings)
 
     def pwrite(self, file: str, data, offset: int) -> None:
         try:
@@ -142,11 +146,12 @@ class Staging:
 
     def commit(self, entries: list[tuple[str, str]]) -> None:
         """Make written tensors durable, then record them: the journal never runs ahead of the data."""
-        for file in sorted({f for f, _ in entries}):
-            try:
-                os.fdatasync(self.fds[file])
-            except OSError as exc:
-                raise disk_error(exc, self.dir / file) from None
+        with self.timings.activity("fdatasync"):
+            for file in sorted({f for f, _ in entries}):
+                try:
+                    os.fdatasync(self.fds[file])
+                except OSError as exc:
+                    raise disk_error(exc, self.dir / file) from None
         faults.point("commit")
         self._journal.write(b"".join(json.dumps({"f": f, "t": t}).encode() + b"\n" for f, t in entries))
         self._journal.flush()

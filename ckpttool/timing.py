@@ -1,0 +1,52 @@
+"""Where a run's time went: wall seconds per phase, and thread-seconds per activity.
+
+Workers overlap, so activity totals are summed over threads and can exceed the wall time; compared
+with it they say what a run waited on: reads, dequant, page-cache writes, flushes to disk, hashing.
+`--json` reports both (and a few counts, such as chunks transformed on the GPU and on the CPU), and
+the benchmark records them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+
+class Timings:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.phases: dict[str, float] = {}
+        self.busy: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[what] = self.counts.get(what, 0) + n
+
+    def add(self, activity: str, seconds: float) -> None:
+        with self._lock:
+            self.busy[activity] = self.busy.get(activity, 0.0) + seconds
+
+    @contextmanager
+    def activity(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t)
+
+    @contextmanager
+    def phase(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+
+    def to_json(self) -> dict:
+        with self._lock:
+            return {"phases_s": {k: round(v, 3) for k, v in self.phases.items()},
+                    "thread_s": {k: round(v, 3) for k, v in sorted(self.busy.items())},
+                    **({"counts": dict(sorted(self.counts.items()))} if self.counts else {})}
