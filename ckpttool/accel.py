@@ -1,9 +1,10 @@
 """Transforms on a CUDA device, overlapped: one stream and pinned staging buffers per worker thread.
 
-A worker reads its rows straight into its pinned input buffer, copies them to the GPU and runs the
-kernel on its own stream, and copies the result back into its pinned output buffer, which it then
-pwrites; while it waits on its stream, other workers' copies and kernels run. Pinned memory lets the
-copies run at link speed without the driver's pageable bounce.
+A worker reads its rows straight into its pinned buffer, copies them to the GPU and runs the kernel
+on its own stream, and copies the result back into the same buffer (the stream orders the copies),
+which it then pwrites; while it waits on its stream, other workers' copies and kernels run. Pinned
+memory lets the copies run at link speed without the driver's pageable bounce; one buffer per worker
+keeps it to workers x chunk bytes.
 
 CUDA start-up (the context, loading or compiling the Triton kernels: 1.5-2.5 s on an H200) runs on
 a thread of its own. Until it is done, workers transform on the CPU instead. The kernels guarantee
@@ -57,11 +58,12 @@ class CudaTransforms:
             raise RuntimeError(f"CUDA start-up failed: {self.error}") from self.error
         return True
 
-    def input_buffer(self, nbytes: int) -> np.ndarray | None:
-        """This thread's pinned buffer for the next chunk's source rows, or None while on the CPU."""
+    def staging(self, nbytes: int) -> np.ndarray | None:
+        """This thread's pinned buffer, at least nbytes (size it for the chunk's input and output
+        both: the result is copied back over the input), or None while on the CPU."""
         if not self.on_gpu:
             return None
-        return self._buffer("input", nbytes)
+        return self._buffer(nbytes)
 
     def apply(self, transform: Transform, x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if not self.on_gpu:
@@ -72,10 +74,13 @@ class CudaTransforms:
         with torch.cuda.stream(stream):
             y = transform.apply(x.to(self.device, non_blocking=True), scale.to(self.device, non_blocking=True),
                                 out_dtype)
-            out = torch.from_numpy(self._buffer("output", y.numel() * y.element_size()))
-            host = out.view(y.dtype).reshape(y.shape)
+            nbytes = y.numel() * y.element_size()
+            if self._size() < nbytes:
+                stream.synchronize()  # x may live in the buffer being replaced
+            # the same stream orders this copy after the upload of x: the result may overwrite it
+            host = torch.from_numpy(self._buffer(nbytes)).view(y.dtype).reshape(y.shape)
             host.copy_(y, non_blocking=True)
-            stream.synchronize()  # the pinned output holds the rows; the caller writes them before its next chunk
+            stream.synchronize()  # the rows are in host memory; the caller writes them before its next chunk
         return host
 
     def _stream(self) -> torch.cuda.Stream:
@@ -84,11 +89,13 @@ class CudaTransforms:
             stream = self._local.stream = torch.cuda.Stream(self.device)
         return stream
 
-    def _buffer(self, kind: str, nbytes: int) -> np.ndarray:
-        """A pinned uint8 buffer of at least nbytes, this thread's own, grown as needed (a chunk's
-        size is bounded by --chunk, so it settles at one or two sizes)."""
-        buf = getattr(self._local, kind, None)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-            setattr(self._local, kind, buf)
-        return buf.numpy()[:nbytes]
+    def _size(self) -> int:
+        buf = getattr(self._local, "buffer", None)
+        return 0 if buf is None else buf.numel()
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """This thread's pinned uint8 buffer, grown as needed (a chunk's size is bounded, so it
+        settles at one size: one buffer per worker is all the pinned memory a run holds)."""
+        if self._size() < nbytes:
+            self._local.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        return self._local.buffer.numpy()[:nbytes]

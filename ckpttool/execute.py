@@ -16,6 +16,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ckpttool.accel import CudaTransforms
@@ -30,7 +31,7 @@ from ckpttool.transforms import TRANSFORMS, WHOLE_TENSOR
 # Journal granularity: work done since the last commit is redone after a crash.
 COMMIT_EVERY_BYTES = int(os.environ.get("CKPTTOOL_JOURNAL_BYTES", 1 << 30))
 COMMIT_EVERY_SECONDS = 2.0
-CHUNK_BYTES = 64 << 20  # output bytes per streamed run of rows
+CHUNK_BYTES = 32 << 20  # output bytes per streamed run of rows (and per worker's pinned buffer on CUDA)
 
 
 @dataclass(slots=True)
@@ -126,16 +127,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def read_rows(ckpt: Checkpoint, name: str, r0: int, r1: int, gpu: CudaTransforms | None = None) -> torch.Tensor:
-    """Rows [r0, r1) of dim 0 (the whole tensor for a scalar): one contiguous byte range, read
-    into the worker's pinned buffer when `gpu` is up."""
+def read_rows(ckpt: Checkpoint, name: str, r0: int, r1: int, into: np.ndarray | None = None) -> torch.Tensor:
+    """Rows [r0, r1) of dim 0 (the whole tensor for a scalar): one contiguous byte range, read into
+    the front of `into` (a worker's pinned buffer) when given."""
     src = ckpt.source(name)
     info = src.info
     if not info.shape:
         return ckpt.read(name)
     row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
     nbytes = (r1 - r0) * row_bytes
-    out = gpu.input_buffer(nbytes) if gpu is not None and nbytes else None
+    out = into[:nbytes] if into is not None and nbytes else None
     buf = read_bytes(ckpt.fd(src.file), info.start + r0 * row_bytes, nbytes, ckpt.root / src.file, out=out)
     return tensor_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
 
@@ -181,12 +182,19 @@ def run_task(task: Task, ckpt: Checkpoint, staging: Staging, gpu: CudaTransforms
         _check_scale_values(ckpt, task.scale, scale_full)
     step = task.chunk_rows(ckpt, chunk_bytes)
     out_dtype = DTYPES[task.out_dtype][0]
-    scalar = not ckpt.source(task.source).info.shape
+    info = ckpt.source(task.source).info
+    scalar = not info.shape
+    if transform is not None and not scalar:
+        in_row_bytes = info.nbytes // max(n_rows, 1)
+        out_row_bytes = transform.out_per_source_row(info.shape) * itemsize(task.out_dtype)
     for r0 in range(lo, hi, step):
         r1 = min(r0 + step, hi)
         with clock.activity("read"):
-            x = ckpt.read(task.source) if scalar else read_rows(ckpt, task.source, r0, r1,
-                                                                  gpu if transform is not None else None)
+            pinned = None
+            if gpu is not None and transform is not None and not scalar:
+                rows_in, rows_out = (r1 - r0) * in_row_bytes, (r1 - r0) * out_row_bytes
+                pinned = gpu.staging(max(rows_in, rows_out))
+            x = ckpt.read(task.source) if scalar else read_rows(ckpt, task.source, r0, r1, pinned)
             if transform is not None:
                 s0, s1 = transform.scale_rows(r0, r1)
                 scale = scale_full[s0:s1] if scale_full is not None else read_rows(ckpt, task.scale, s0, s1)
