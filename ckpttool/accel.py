@@ -19,6 +19,7 @@ import threading
 import numpy as np
 import torch
 
+from ckpttool.osutil import release_free_memory
 from ckpttool.timing import Timings
 from ckpttool.transforms import Transform
 
@@ -29,6 +30,8 @@ class CudaTransforms:
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.timings = timings or Timings()
+        self._lock = threading.Lock()
+        self._trimmed = False
         self._local = threading.local()
         self._thread = threading.Thread(target=self._start, args=(transforms,), name="ckpttool-cuda-start",
                                         daemon=True)
@@ -56,6 +59,11 @@ class CudaTransforms:
             return False
         if self.error is not None:
             raise RuntimeError(f"CUDA start-up failed: {self.error}") from self.error
+        if not self._trimmed:  # once: the CPU chunks' freed temporaries go back before pinned memory comes
+            with self._lock:
+                if not self._trimmed:
+                    self._trimmed = True
+                    release_free_memory()
         return True
 
     def staging(self, nbytes: int) -> np.ndarray | None:

@@ -24,9 +24,7 @@ from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.safetensors import DTYPES, itemsize, read_bytes, tensor_from_bytes
 from ckpttool.io.writer import Staging
-from ckpttool.osutil import return_freed_buffers
 from ckpttool.plan import PlacedTensor, Plan
-from ckpttool.timing import Timings
 from ckpttool.transforms import TRANSFORMS, WHOLE_TENSOR
 
 # Journal granularity: work done since the last commit is redone after a crash.
@@ -268,7 +266,6 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
     """Run every task not yet in the journal; commit (fdatasync + journal) in batches. On CUDA the
     first chunks run on the CPU while the GPU starts, unless `wait_for_cuda`."""
     dev = resolve_device(device)
-    return_freed_buffers()  # RSS follows the chunks in flight, not what threads once allocated
     tasks = make_tasks(plan, staging.done, staging.published, files)
     used = sorted({t.transform for t in tasks if t.transform in TRANSFORMS})
     gpu = CudaTransforms(dev, [TRANSFORMS[n] for n in used], staging.timings) if dev.type == "cuda" and used else None

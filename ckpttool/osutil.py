@@ -1,12 +1,15 @@
-"""Two Linux/glibc calls Python's os module lacks, reached through ctypes; each a no-op elsewhere.
+"""malloc_trim, which Python's os module lacks, reached through ctypes; a no-op off glibc.
 
-- start_writeback: sync_file_range(SYNC_FILE_RANGE_WRITE) starts writing a just-written range to
-  disk without waiting for it. Without it the kernel holds dirty pages until the next journal
-  commit's fdatasync (or its own thresholds, 10% of RAM), and the disk idled for the first ~2 s of
-  every run (bench/RESULTS.md).
-- return_freed_buffers: a fixed mmap threshold, so chunk-sized buffers are mmapped and go back to
-  the OS when freed. glibc's default raises the threshold after the first free and then keeps freed
-  buffers in per-thread arenas: with 8 workers that held ~0.6 GiB of dead chunks in RSS.
+release_free_memory hands memory glibc keeps in its arenas after frees back to the OS. The
+executor calls it once, when the GPU takes over from the CPU transforms that ran while CUDA
+started: their dead fp32 temporaries otherwise stay in RSS underneath the new pinned buffers.
+
+Two alternatives went to the device together and were dropped together (bench/RESULTS.md,
+commit 210c9b8): a fixed mmap threshold (every chunk buffer mmapped and returned on free) brought
+peak RSS from 1.9 to 1.4 GiB but its page faults nearly doubled hashing's CPU time; and
+sync_file_range write-behind on every piece started the disk ~1.5 s earlier, but page-cache
+writes then took 2.6x the thread time (blocked in it) and the disk sustained 1.4-1.7 GB/s instead
+of 1.8-2.2. That run was slower (2.9x vs 3.4x the reference); it could not tell the two apart.
 """
 
 from __future__ import annotations
@@ -14,32 +17,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-_SYNC_FILE_RANGE_WRITE = 2
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 4 << 20
-
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
 except OSError:  # pragma: no cover - no C library to load
     _libc = None
-_sync_file_range = getattr(_libc, "sync_file_range", None)
-if _sync_file_range is not None:
-    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    _sync_file_range.restype = ctypes.c_int
-_mallopt = getattr(_libc, "mallopt", None)
-if _mallopt is not None:
-    _mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    _mallopt.restype = ctypes.c_int
+_malloc_trim = getattr(_libc, "malloc_trim", None)
+if _malloc_trim is not None:
+    _malloc_trim.argtypes = [ctypes.c_size_t]
+    _malloc_trim.restype = ctypes.c_int
 
 
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing [offset, offset+nbytes) of fd out now. A hint: errors are
-    ignored, and durability still comes from fdatasync."""
-    if _sync_file_range is not None and nbytes > 0:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-def return_freed_buffers() -> bool:
-    """Make allocations of MMAP_THRESHOLD bytes and up come from mmap and return on free
-    (process-wide; True where glibc took it)."""
-    return _mallopt is not None and _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+def release_free_memory() -> bool:
+    """Return free heap memory to the OS (glibc; True where it released some)."""
+    return _malloc_trim is not None and _malloc_trim(0) == 1

@@ -25,25 +25,27 @@ class Timings:
             self.counts[what] = self.counts.get(what, 0) + n
 
     def add(self, activity: str, seconds: float) -> None:
-        with self._lock:
-            self.busy[activity] = self.busy.get(activity, 0.0) + seconds
+        self._add(self.busy, activity, seconds)
 
-    @contextmanager
     def activity(self, name: str):
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - t)
+        """Time a block as thread-seconds of `name` (blocks on several threads add up)."""
+        return self._timed(self.busy, name)
+
+    def phase(self, name: str):
+        """Time a block as wall seconds of the run's phase `name`."""
+        return self._timed(self.phases, name)
+
+    def _add(self, store: dict[str, float], key: str, seconds: float) -> None:
+        with self._lock:
+            store[key] = store.get(key, 0.0) + seconds
 
     @contextmanager
-    def phase(self, name: str):
+    def _timed(self, store: dict[str, float], key: str):
         t = time.perf_counter()
         try:
             yield
         finally:
-            with self._lock:
-                self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+            self._add(store, key, time.perf_counter() - t)
 
     def to_json(self) -> dict:
         with self._lock:

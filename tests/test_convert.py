@@ -200,3 +200,12 @@ def test_fused_convert_equals_unmodified_reference_scripts_on_gpu(tiny_v3_no_mtp
     ref = reference_convert(tmp_path / "ref-bf16", tmp_path / "ref", 2)
     run_cli("convert", tiny_v3_no_mtp, tmp_path / "ours", "--mp", 2, "--device", "cuda", "--quiet")
     assert_same_tensors(load_dir(tmp_path / "ours"), load_dir(ref))
+
+
+def test_json_report_says_where_the_time_went(tiny_v3, tmp_path):
+    proc = run_cli("convert", tiny_v3, tmp_path / "o", "--mp", 2, "--dtype", "bf16", "--json", "--device", "cpu")
+    timing = json.loads(proc.stdout)["timing"]
+    phases, threads = timing["phases_s"], timing["thread_s"]
+    assert 0 < phases["execute"] <= phases["total"] and phases["plan"] <= phases["total"]
+    assert all(threads[k] > 0 for k in ("read", "transform", "write", "fdatasync", "sha256")), threads
+    assert "counts" not in timing  # chunk counts are for the CUDA path

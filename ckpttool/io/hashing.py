@@ -18,6 +18,18 @@ from pathlib import Path
 READ_BYTES = 8 << 20
 
 
+_blocks = threading.local()
+
+
+def _block() -> memoryview:
+    """This thread's read buffer, reused: a fresh 8 MiB object per pread is a fresh mapping (and
+    its page faults) per block, as many bytes of them as the output has."""
+    buf = getattr(_blocks, "buf", None)
+    if buf is None:
+        buf = _blocks.buf = memoryview(bytearray(READ_BYTES))
+    return buf
+
+
 class PrefixHasher:
     def __init__(self, path: Path, size: int, pool: Executor, written_prefix: int = 0, timings=None):
         self.path, self.size, self.pool = path, size, pool
@@ -52,6 +64,7 @@ class PrefixHasher:
             # pread, never a buffered reader: read-ahead past the frontier would cache bytes that
             # are not written yet
             started = time.perf_counter()
+            view = _block()
             fd = os.open(self.path, os.O_RDONLY)
             try:
                 while True:
@@ -61,11 +74,11 @@ class PrefixHasher:
                             self._running = False
                             break
                     while self._hashed < target:
-                        block = os.pread(fd, min(READ_BYTES, target - self._hashed), self._hashed)
-                        if not block:
+                        n = os.preadv(fd, [view[: min(READ_BYTES, target - self._hashed)]], self._hashed)
+                        if not n:
                             raise OSError(f"{self.path} is shorter than its planned {self.size} bytes")
-                        self._sha.update(block)
-                        self._hashed += len(block)
+                        self._sha.update(view[:n])
+                        self._hashed += n
             finally:
                 os.close(fd)
                 if self.timings is not None:

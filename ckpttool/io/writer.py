@@ -14,7 +14,6 @@ from pathlib import Path
 from ckpttool import __version__, faults
 from ckpttool.errors import OutputError
 from ckpttool.io.hashing import PrefixHasher, sha256_file
-from ckpttool.osutil import start_writeback
 from ckpttool.plan import Plan
 from ckpttool.timing import Timings
 
@@ -142,7 +141,6 @@ class Staging:
         try:
             faults.point("pwrite")
             _pwrite_all(self.fds[file], data, offset)
-            start_writeback(self.fds[file], offset, memoryview(data).nbytes)
         except OSError as exc:
             raise disk_error(exc, self.dir / file) from None
 
