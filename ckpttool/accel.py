@@ -19,6 +19,7 @@ import threading
 import numpy as np
 import torch
 
+from ckpttool.errors import InputError
 from ckpttool.osutil import release_free_memory
 from ckpttool.timing import Timings
 from ckpttool.transforms import Transform
@@ -58,7 +59,9 @@ class CudaTransforms:
         if not self.ready.is_set():
             return False
         if self.error is not None:
-            raise RuntimeError(f"CUDA start-up failed: {self.error}") from self.error
+            raise InputError(f"CUDA dequant could not start: {type(self.error).__name__}: {self.error}",
+                             fix="install Triton for your CUDA torch (pip install -e '.[gpu]'), or pass "
+                                 "--device cpu (the same bits)") from self.error
         if not self._trimmed:  # once: the CPU chunks' freed temporaries go back before pinned memory comes
             with self._lock:
                 if not self._trimmed:

@@ -209,3 +209,16 @@ def test_json_report_says_where_the_time_went(tiny_v3, tmp_path):
     assert 0 < phases["execute"] <= phases["total"] and phases["plan"] <= phases["total"]
     assert all(threads[k] > 0 for k in ("read", "transform", "write", "fdatasync", "sha256")), threads
     assert "counts" not in timing  # chunk counts are for the CUDA path
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA cannot start")
+def test_failed_cuda_start_is_an_input_error_with_a_fix():
+    from ckpttool.accel import CudaTransforms
+    from ckpttool.errors import InputError
+    from ckpttool.transforms import TRANSFORMS
+
+    gpu = CudaTransforms(torch.device("cuda"), [TRANSFORMS["fp8_block"]])
+    gpu.wait()
+    with pytest.raises(InputError, match="CUDA dequant could not start") as err:
+        gpu.staging(1024)
+    assert "--device cpu" in str(err.value)
