@@ -1,5 +1,5 @@
 """`python -m ckpttool` (also what `torchrun -m ckpttool` runs)."""
 
-from ckpttool.cli import main
+from ckpttool.cli import entry
 
-main()
+entry()

@@ -222,3 +222,13 @@ def test_failed_cuda_start_is_an_input_error_with_a_fix():
     with pytest.raises(InputError, match="CUDA dequant could not start") as err:
         gpu.staging(1024)
     assert "--device cpu" in str(err.value)
+
+
+def test_usage_errors_are_messages_not_tracebacks():
+    from conftest import run_cli_process
+
+    for args in (["--no-such-option"], ["convert", "--mp"], ["no-such-command"]):
+        proc = run_cli_process(*args)
+        assert proc.returncode == 2, (args, proc.returncode, proc.stderr[-500:])
+        assert "Traceback" not in proc.stderr and ("No such" in proc.stderr or "requires an argument" in proc.stderr), \
+            (args, proc.stderr[-500:])

@@ -7,9 +7,15 @@ import os
 import sys
 
 import click
+import typer
 
 from ckpttool.cli.app import app
 from ckpttool.errors import CkptError
+
+# typer >= 0.23 vendors its own click: usage errors and aborts come from either package
+USAGE_ERRORS = tuple({click.ClickException,
+                      next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")})
+ABORTS = tuple({click.Abort, typer.Abort})
 
 COMMAND_MODULES = ("download", "pipeline", "inspect", "verify", "merge", "demo")
 
@@ -21,10 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     traceback unless CKPTTOOL_DEBUG=1. Returns the exit code when called with argv (tests)."""
     try:
         code = app(args=argv, prog_name="ckpttool", standalone_mode=False)
-    except click.ClickException as exc:
+    except USAGE_ERRORS as exc:
         exc.show()
         code = exc.exit_code
-    except click.Abort:
+    except ABORTS:
         print("aborted", file=sys.stderr)
         code = 130
     except CkptError as exc:
@@ -34,10 +40,22 @@ def main(argv: list[str] | None = None) -> int:
         code = exc.exit_code
     code = code if isinstance(code, int) else 0
     if argv is None:
-        # Whatever the command wrote is durable and closed by now (fsynced before it returned), so
-        # skip the interpreter's teardown: unloading torch and destroying a CUDA context took
-        # 0.5-1.5 s of every run's wall time (bench/RESULTS.md).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        sys.exit(code)
     return code
+
+
+def entry() -> None:
+    """The `ckpttool` executable and `python -m ckpttool`: main(), then leave without the
+    interpreter's teardown. Whatever a command wrote is durable and closed before main() returns,
+    and unloading torch and destroying a CUDA context took 0.5-1.5 s of every run's wall time
+    (bench/RESULTS.md). In-process callers (tests) use main() and get SystemExit as usual."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
