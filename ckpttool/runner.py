@@ -17,6 +17,9 @@ from ckpttool.progress import Progress
 from ckpttool.timing import Timings
 
 
+SPACE_MARGIN = 64 << 20  # journal, plan.json, index, config and manifest, with room to spare
+
+
 @dataclass(kw_only=True)
 class ExecOptions:
     max_memory: int = 4 << 30
@@ -86,6 +89,8 @@ def _convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions, group: Group) 
                 plan = make_plan(ckpt, spec)
             if group.rank == 0:
                 complete = _already_complete(dst, plan, opts)
+                if not complete and not opts.resume:  # before anything is created; a resume checks what is left
+                    check_free_space(dst, sum(f.size for f in plan.files) + SPACE_MARGIN)
                 if not complete:
                     dst.mkdir(parents=True, exist_ok=True)
                     staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite, timings=clock)
@@ -103,8 +108,8 @@ def _convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions, group: Group) 
             todo = sum(p.end - p.start for f in plan.files if f.name not in staging.published
                        and (mine is None or f.name in mine)
                        for p in f.tensors if (f.name, p.tensor.name) not in staging.done)
-            if group.rank == 0:
-                check_free_space(dst, todo + (64 << 20))
+            if group.rank == 0 and opts.resume:
+                check_free_space(dst, todo + SPACE_MARGIN)
             label = "converting" if group.world_size == 1 else f"rank {group.rank}/{group.world_size}"
             with Progress(todo, label, quiet=opts.quiet) as progress, clock.phase("execute"):
                 execute(plan, ckpt, staging, max_memory=opts.max_memory, workers=opts.workers,

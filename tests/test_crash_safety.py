@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 
 import pytest
 
@@ -123,3 +124,25 @@ def test_errors_have_no_traceback_unless_debug(tiny_v3, tmp_path):
     assert "not divisible by mp=3" in proc.stderr or "cannot be split evenly over mp=3" in proc.stderr
     debug = run_cli_process("convert", tiny_v3, tmp_path / "o", "--mp", "3", env={"CKPTTOOL_DEBUG": "1"})
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A real 2 MiB filesystem (tmpfs), where mounting is allowed (root); skipped elsewhere."""
+    mount = tmp_path / "small-fs"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.decode(errors='replace').strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_too_little_free_space_is_refused_before_anything_is_created(tiny_v3, small_filesystem):
+    dst = small_filesystem / "out"
+    proc = run_cli("convert", tiny_v3, dst, "--mp", 2, "--dtype", "bf16", check=False)
+    assert proc.returncode != 0
+    assert "GiB free, only" in proc.stderr and "fix:" in proc.stderr and str(small_filesystem) in proc.stderr
+    assert list(small_filesystem.iterdir()) == []  # not even DST
