@@ -409,6 +409,7 @@ def machine_info(work: Path, python: str) -> dict:
         info.update(json.loads(got.stdout.strip().splitlines()[-1]))
     except (subprocess.SubprocessError, ValueError, IndexError, OSError) as exc:
         info["probe_error"] = str(exc)
+    info["ckpttool_source_sha256"] = source_digest()
     try:
         rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10)
@@ -419,6 +420,17 @@ def machine_info(work: Path, python: str) -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return info
+
+
+def source_digest() -> str:
+    """sha256 (12 hex digits) over ckpttool's Python sources, path and bytes: names the code measured
+    even where the tree was copied without its git history (the device machines carry stale git
+    metadata). `python -c "from bench.run_bench import source_digest; print(source_digest())"` at a
+    commit gives the same digest."""
+    h = hashlib.sha256()
+    for path in sorted((REPO / "ckpttool").rglob("*.py")):
+        h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def source_info(src: Path) -> dict:
@@ -881,7 +893,8 @@ def render_markdown(res: dict) -> str:
              f" / {m.get('work_fs', {}).get('type', '?')} — {res['date']}", ""]
     lines += [f"- machine: {m.get('cpu')}, {m.get('cores')} cores, {m.get('mem_total_bytes', 0) / GiB:.1f} GiB RAM, "
               f"kernel {m.get('kernel')}, torch {m.get('torch')}, triton {m.get('triton')}, "
-              f"ckpttool {m.get('ckpttool_commit', '?')}, load average at start {m.get('loadavg')}",
+              f"ckpttool {m.get('ckpttool_commit', '?')} (sources {m.get('ckpttool_source_sha256', '?')}), "
+              f"load average at start {m.get('loadavg')}",
               f"- work dir: {m.get('work_dir')} ({m.get('work_fs', {}).get('type')} on {m.get('work_fs', {}).get('device')})",
               f"- checkpoint: {src.get('path')}: {_gb(src.get('bytes'))} GB in {src.get('files')} files "
               f"({_gb(src.get('fp8_bytes'))} GB FP8), {src.get('num_hidden_layers')} layers, "
