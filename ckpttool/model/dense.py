@@ -288,32 +288,8 @@ def load_hf_dense(model: DenseTransformer, directory: Path, n_layers: int = 0) -
 
 
 def dense_weight_differences(model: DenseTransformer, ctx: ParallelContext, reference: Path, n_layers: int,
-                             shard: Path, limit: int = 8) -> list[str]:
+                             shard: Path) -> list[str]:
     """Every loaded weight against its slice of the reference HF checkpoint (FP8 compared dequantized)."""
-    from ckpttool.io.checkpoint import Checkpoint
-    from ckpttool.kernels.fp8 import dequant_fp8_block
-    from ckpttool.model.loading import slice_difference
+    from ckpttool.model.loading import reference_differences
 
-    problems = []
-    with Checkpoint(reference) as ckpt:
-        for module_name, module in model.named_modules():
-            for param_name, param in module.named_parameters(recurse=False):
-                if param_name == "scale":
-                    continue  # compared through its weight's dequantized values
-                name = f"{module_name}.{param_name}" if module_name else param_name
-                mine = module.dense_weight() if isinstance(module, Linear) and param_name == "weight" else param
-                hf, narrow = hf_source(name, ctx, model.args.cfg)
-                if hf not in ckpt.tensors:
-                    problems.append(f"{name}: the reference has no {hf!r}")
-                    continue
-                theirs = ckpt.read(hf)
-                if hf + "_scale_inv" in ckpt.tensors:
-                    theirs = dequant_fp8_block(theirs, ckpt.read(hf + "_scale_inv"))
-                if narrow is not None:
-                    theirs = theirs.narrow(*narrow)
-                theirs = theirs.to(mine.device, mine.dtype)
-                if (problem := slice_difference(name, shard, hf, mine, theirs)) is not None:
-                    problems.append(problem)
-                if len(problems) >= limit:
-                    return problems
-    return problems
+    return reference_differences(model, reference, shard, lambda name, _: hf_source(name, ctx, model.args.cfg))

@@ -19,10 +19,10 @@ from torch import nn
 from ckpttool.arch.gpt_oss import KEY_MAP, GptOssConfig, bf16_expert_shape, dequant_expert_weight
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
-from ckpttool.io.safetensors import TensorInfo, read_bytes, read_header, tensor_from_bytes
+from ckpttool.io.safetensors import TensorInfo, read_bytes, tensor_from_bytes
 from ckpttool.kernels.mxfp4 import check_mxfp4
 from ckpttool.model.gpt_oss import Transformer
-from ckpttool.model.loading import MAX_LISTED, check_tensors, slice_difference
+from ckpttool.model.loading import MAX_LISTED, check_tensors, read_shard_header, slice_difference
 from ckpttool.model.parallel import ParallelContext
 
 Sources = dict[str, tuple[str, TensorInfo]]  # native name -> (name in the file, header entry)
@@ -114,10 +114,7 @@ def _hf_sources(ckpt: Checkpoint) -> Sources:
 def load_gpt_oss_shard(model: nn.Module, path: Path) -> None:
     """Load one per-rank gpt-oss shard into `model`, strictly."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError("model-parallel shard is missing", file=path,
-                         fix="convert again with the same --mp, or pass the directory that holds every rank's file")
-    header = read_header(path)
+    header = read_shard_header(path)
     sources = {name: (name, info) for name, info in header.tensors.items()}
     params = dict(model.named_parameters())
     plan = _plan(params, sources, path)

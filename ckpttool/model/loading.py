@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from torch import nn
 from ckpttool.arch.deepseek import EXPERT, KEY_TABLE, layer_index
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
-from ckpttool.io.safetensors import TensorInfo, read_bytes, read_header, tensor_from_bytes
+from ckpttool.io.safetensors import SafetensorsFile, TensorInfo, read_bytes, read_header, tensor_from_bytes
 from ckpttool.kernels.fp8 import dequant_fp8_block
 from ckpttool.model.parallel import Linear, ParallelContext
 
@@ -29,13 +30,18 @@ def mp_file_name(rank: int, world_size: int) -> str:
     return f"model{rank}-mp{world_size}.safetensors"
 
 
+def read_shard_header(path: Path) -> SafetensorsFile:
+    """The header of one rank's shard; a missing shard is an error saying how to get it."""
+    if not Path(path).is_file():
+        raise InputError("model-parallel shard is missing", file=path,
+                         fix="convert again with the same --mp, or pass the directory that holds every rank's file")
+    return read_header(Path(path))
+
+
 def load_mp_shard(model: nn.Module, path: Path) -> None:
     """Load one reference-layout shard into `model`, checking it against the model's parameters."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError("model-parallel shard is missing", file=path,
-                         fix="convert again with the same --mp, or pass the directory that holds every rank's file")
-    header = read_header(path)
+    header = read_shard_header(path)
     params = dict(model.named_parameters())
     check_tensors(params, {name: (name, info) for name, info in header.tensors.items()}, path)
     fd = os.open(path, os.O_RDONLY)
@@ -65,8 +71,25 @@ def load_hf_checkpoint(model: nn.Module, directory: Path, n_layers: int) -> None
 
 def weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, n_layers: int,
                        shard: Path, limit: int = MAX_LISTED) -> list[str]:
+    """DeepSeek: every loaded weight against its slice of the reference HF checkpoint."""
+
+    def source(name: str, ckpt: Checkpoint) -> tuple[str, tuple[int, int, int] | None]:
+        hf, split = hf_name_and_split(name)
+        if not isinstance(split, int) or ctx.world_size == 1 or hf not in ckpt.tensors:
+            return hf, None  # expert tensors are whole per rank; a missing one is reported by the caller
+        part = ckpt.source(hf).info.shape[split] // ctx.world_size
+        return hf, (split, ctx.rank * part, part)
+
+    return reference_differences(model, reference, shard, source, limit)
+
+
+def reference_differences(model: nn.Module, reference: Path, shard: Path,
+                          source: Callable[[str, Checkpoint], tuple[str, tuple[int, int, int] | None]],
+                          limit: int = MAX_LISTED) -> list[str]:
     """Compare every loaded weight with its slice of the reference HF checkpoint, as dense values
-    (FP8 dequantized on either side). A lossless conversion makes them equal; returns what differs."""
+    (FP8 dequantized on either side). A lossless conversion makes them equal; returns what differs,
+    at most `limit` problems. `source(name, ckpt)` names the HF tensor a parameter comes from and the
+    (dim, start, length) of it this rank holds, or None for all of it."""
     problems = []
     with Checkpoint(reference) as ckpt:
         for module_name, module in model.named_modules():
@@ -74,17 +97,16 @@ def weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, 
                 if param_name == "scale":
                     continue  # compared through its weight's dequantized values
                 name = f"{module_name}.{param_name}" if module_name else param_name
-                mine = module.dense_weight() if isinstance(module, Linear) else param
-                hf, split = hf_name_and_split(name)
+                mine = module.dense_weight() if isinstance(module, Linear) and param_name == "weight" else param
+                hf, narrow = source(name, ckpt)
                 if hf not in ckpt.tensors:
                     problems.append(f"{name}: the reference has no {hf!r}")
                     continue
                 theirs = ckpt.read(hf)
                 if hf + "_scale_inv" in ckpt.tensors:
                     theirs = dequant_fp8_block(theirs, ckpt.read(hf + "_scale_inv"))
-                if isinstance(split, int) and ctx.world_size > 1:
-                    part = theirs.shape[split] // ctx.world_size
-                    theirs = theirs.narrow(split, ctx.rank * part, part)
+                if narrow is not None:
+                    theirs = theirs.narrow(*narrow)
                 theirs = theirs.to(mine.device, mine.dtype)
                 if (problem := slice_difference(name, shard, hf, mine, theirs)) is not None:
                     problems.append(problem)
