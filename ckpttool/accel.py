@@ -6,31 +6,47 @@ which it then pwrites; while it waits on its stream, other workers' copies and k
 memory lets the copies run at link speed without the driver's pageable bounce; one buffer per worker
 keeps it to workers x chunk bytes.
 
-CUDA start-up (the context, loading or compiling the Triton kernels: 1.5-2.5 s on an H200) runs on
-a thread of its own. Until it is done, workers transform on the CPU instead. The kernels guarantee
-the same bits on either device (tests/test_convert.py checks it), so which chunks took which path
-never shows in the output.
+Start-up runs on a thread of its own: importing torch (4-6 s on the benchmark machine, most of a
+small conversion's wall time), creating the CUDA context and loading or compiling the Triton
+kernels (1.5-2.5 s on an H200). Until it is done, workers transform on the CPU with numpy instead.
+Both devices give the same bits (tests/test_convert.py checks it), so which chunks took which path
+never shows in the output. With `--device auto`, a machine whose torch sees no CUDA device simply
+stays on the CPU.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import numpy as np
-import torch
 
 from ckpttool.errors import InputError
+from ckpttool.io.safetensors import CARRIERS, torch_dtype
 from ckpttool.osutil import release_free_memory
 from ckpttool.timing import Timings
 from ckpttool.transforms import Transform
 
+_FIX = "install Triton for your CUDA torch (pip install -e '.[gpu]'), or pass --device cpu (the same bits)"
+
+
+def gpu_present() -> bool:
+    """Whether this machine shows a GPU driver at all, without importing torch: `--device auto`
+    starts CUDA only where one may be. torch decides in the end (torch.cuda.is_available)."""
+    return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg"))
+
 
 class CudaTransforms:
-    def __init__(self, device: torch.device, transforms: list[Transform], timings: Timings | None = None):
-        self.device = device
+    def __init__(self, device: str, transforms: list[Transform], timings: Timings | None = None):
+        """device: "cuda[:N]" (no CUDA is an error) or "auto" (no CUDA: stay on the CPU)."""
+        self.device_name = device
+        self.device = None  # a torch.device, once torch is imported
         self.ready = threading.Event()
         self.error: BaseException | None = None
+        self.unavailable = False
         self.timings = timings or Timings()
+        self.torch = None
         self._lock = threading.Lock()
         self._trimmed = False
         self._local = threading.local()
@@ -39,15 +55,27 @@ class CudaTransforms:
         self._thread.start()
 
     def _start(self, transforms: list[Transform]) -> None:
+        t0 = time.perf_counter()
         try:
-            with torch.cuda.device(self.device):
+            import torch
+
+            if not torch.cuda.is_available():
+                if self.device_name == "auto":
+                    self.unavailable = True
+                    return
+                raise InputError("--device cuda was asked for but no CUDA device is available",
+                                 fix="use --device cpu (the same bits, computed on the CPU)")
+            device = torch.device("cuda" if self.device_name == "auto" else self.device_name)
+            with torch.cuda.device(device):
                 for t in transforms:  # a tiny input: creates the context, loads/compiles the kernel
-                    x, scale = t.example(self.device)
-                    t.apply(x, scale, torch.bfloat16)
-                torch.cuda.synchronize(self.device)
+                    x, scale = t.example(device)
+                    t.cuda(x, scale, torch.bfloat16)
+                torch.cuda.synchronize(device)
+            self.torch, self.device = torch, device
         except BaseException as exc:  # noqa: BLE001 - raised by the first chunk that needs the GPU
             self.error = exc
         finally:
+            self.timings.add("cuda_start", time.perf_counter() - t0)
             self.ready.set()
 
     def wait(self) -> None:
@@ -56,12 +84,13 @@ class CudaTransforms:
 
     @property
     def on_gpu(self) -> bool:
-        if not self.ready.is_set():
+        if not self.ready.is_set() or self.unavailable:
             return False
         if self.error is not None:
+            if isinstance(self.error, InputError):
+                raise self.error
             raise InputError(f"CUDA dequant could not start: {type(self.error).__name__}: {self.error}",
-                             fix="install Triton for your CUDA torch (pip install -e '.[gpu]'), or pass "
-                                 "--device cpu (the same bits)") from self.error
+                             fix=_FIX) from self.error
         if not self._trimmed:  # once: the CPU chunks' freed temporaries go back before pinned memory comes
             with self._lock:
                 if not self._trimmed:
@@ -76,28 +105,34 @@ class CudaTransforms:
             return None
         return self._buffer(nbytes)
 
-    def apply(self, transform: Transform, x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def apply(self, transform: Transform, x: np.ndarray, scale: np.ndarray, dtype: str, scale_dtype: str,
+              out_dtype: str) -> np.ndarray:
+        """`transform` on rows `x` (dtype code `dtype`) and their scale rows: on the GPU once it has
+        started, else on the CPU. Returns numpy rows in out_dtype's carrier."""
         if not self.on_gpu:
-            self.timings.count("chunks_on_cpu_while_cuda_started")
-            return transform.apply(x, scale, out_dtype)
+            self.timings.count("chunks_on_cpu_while_cuda_started" if not self.unavailable else "chunks_on_cpu")
+            return transform.cpu(x, scale, dtype, out_dtype)
         self.timings.count("chunks_on_gpu")
+        torch = self.torch
         stream = self._stream()
+        xt = torch.from_numpy(x).view(torch_dtype(dtype))
+        st = torch.from_numpy(scale).view(torch_dtype(scale_dtype))
         with torch.cuda.stream(stream):
-            y = transform.apply(x.to(self.device, non_blocking=True), scale.to(self.device, non_blocking=True),
-                                out_dtype)
+            y = transform.cuda(xt.to(self.device, non_blocking=True), st.to(self.device, non_blocking=True),
+                               torch_dtype(out_dtype))
             nbytes = y.numel() * y.element_size()
             if self._size() < nbytes:
                 stream.synchronize()  # x may live in the buffer being replaced
             # the same stream orders this copy after the upload of x: the result may overwrite it
-            host = torch.from_numpy(self._buffer(nbytes)).view(y.dtype).reshape(y.shape)
-            host.copy_(y, non_blocking=True)
+            buf = self._buffer(nbytes)
+            torch.from_numpy(buf).view(y.dtype).reshape(y.shape).copy_(y, non_blocking=True)
             stream.synchronize()  # the rows are in host memory; the caller writes them before its next chunk
-        return host
+        return buf.view(CARRIERS[out_dtype]).reshape(tuple(y.shape))
 
-    def _stream(self) -> torch.cuda.Stream:
+    def _stream(self):
         stream = getattr(self._local, "stream", None)
         if stream is None:
-            stream = self._local.stream = torch.cuda.Stream(self.device)
+            stream = self._local.stream = self.torch.cuda.Stream(self.device)
         return stream
 
     def _size(self) -> int:
@@ -108,5 +143,5 @@ class CudaTransforms:
         """This thread's pinned uint8 buffer, grown as needed (a chunk's size is bounded, so it
         settles at one size: one buffer per worker is all the pinned memory a run holds)."""
         if self._size() < nbytes:
-            self._local.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+            self._local.buffer = self.torch.empty(max(nbytes, 1), dtype=self.torch.uint8, pin_memory=True)
         return self._local.buffer.numpy()[:nbytes]

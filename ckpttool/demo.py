@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from ckpttool.arch.deepseek import DeepseekConfig, hf_tensor_shapes, is_fp8_in_published_checkpoint, layer_index
 from ckpttool.kernels.fp8 import quantize_fp8_block
+
+if TYPE_CHECKING:
+    import torch
 
 # Dimensions keep FP8 128x128 blocks meaningful (partial blocks included: kv_a has 192 rows) and
 # keep every FP8 split block-aligned at mp 2, like the real V3 at mp 8.
@@ -66,6 +68,8 @@ def build_checkpoint(dst: Path, preset: str = "tiny-v3", *, fp8: bool | None = N
     fp8 defaults to True for V3 presets (as published) and False otherwise. `scales_in_last_file`
     moves every `weight_scale_inv` away from its weight, to exercise index resolution.
     """
+    import torch
+
     raw = {**PRESETS[preset], **(overrides or {})}
     cfg = DeepseekConfig.from_dict(raw)
     fp8 = raw["model_type"] == "deepseek_v3" if fp8 is None else fp8
@@ -94,6 +98,8 @@ def build_checkpoint(dst: Path, preset: str = "tiny-v3", *, fp8: bool | None = N
 
 def write_shards(dst: Path, files: list[dict[str, torch.Tensor]], names: list[str]) -> None:
     """Each dict as one safetensors shard, plus model.safetensors.index.json with its total_size."""
+    from safetensors.torch import save_file
+
     weight_map, total = {}, 0
     for part, fname in zip(files, names):
         save_file(part, str(dst / fname), metadata={"format": "pt"})
@@ -114,6 +120,8 @@ def write_configs(dst: Path, raw: dict, quantization_config: dict | None, genera
 
 
 def _make_tensor(name: str, shape: tuple[int, ...], fp8: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    import torch
+
     if name.endswith("e_score_correction_bias"):
         return {name: torch.rand(shape, generator=gen, dtype=torch.float32) * 0.1}
     if name.endswith("norm.weight"):

@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-import torch.distributed as dist
-
 from ckpttool.errors import CkptError
 from ckpttool.plan import Plan
 
@@ -17,6 +15,10 @@ from ckpttool.plan import Plan
 def world() -> tuple[int, int]:
     """(rank, world size) from the torchrun environment; (0, 1) outside it."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def assign_files(plan: Plan, world_size: int) -> list[set[str]]:
@@ -31,12 +33,18 @@ def assign_files(plan: Plan, world_size: int) -> list[set[str]]:
 
 
 class Group:
-    """A gloo group for barriers when world size > 1; a no-op otherwise."""
+    """A gloo group for barriers when world size > 1; a no-op otherwise (and torch is not imported)."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self._owned = False
-        if world_size > 1 and not dist.is_initialized():
+        self.dist = None
+        if world_size == 1:
+            return
+        import torch.distributed as dist
+
+        self.dist = dist
+        if not dist.is_initialized():
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(hours=12))
             self._owned = True
 
@@ -49,7 +57,7 @@ class Group:
             return value
         err = None if error is None else (type(error), error.message, error.file, error.tensor, error.fix)
         box = [(err, value)]
-        dist.broadcast_object_list(box, src=0)
+        self.dist.broadcast_object_list(box, src=0)
         err, value = box[0]
         if err is not None:
             if self.rank == 0 and error is not None:
@@ -63,9 +71,9 @@ class Group:
         if self.world_size == 1:
             return ok
         flags = [None] * self.world_size
-        dist.all_gather_object(flags, ok)
+        self.dist.all_gather_object(flags, ok)
         return all(flags)
 
     def close(self) -> None:
         if self._owned:
-            dist.destroy_process_group()
+            self.dist.destroy_process_group()

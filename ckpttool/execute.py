@@ -15,15 +15,16 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
-import torch
 
-from ckpttool.accel import CudaTransforms
+from ckpttool.accel import CudaTransforms, gpu_present
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
-from ckpttool.io.safetensors import DTYPES, itemsize, read_bytes, tensor_from_bytes
+from ckpttool.io.safetensors import array_from_bytes, itemsize, read_bytes
 from ckpttool.io.writer import Staging
+from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.plan import PlacedTensor, Plan
 from ckpttool.transforms import TRANSFORMS, WHOLE_TENSOR
 
@@ -117,27 +118,42 @@ class MemoryBudget:
             self.cond.notify_all()
 
 
-def resolve_device(device: str) -> torch.device:
+AUTO_CPU_MIN_CORES = 8
+"""`--device auto` dequantizes on the CPU from this many cores up, even beside a GPU: the numpy path
+then keeps up with the disk (bench/RESULTS.md, 16 cores: 1.43 GB/s written, at the disk's speed),
+and the GPU path first pays for torch's import and CUDA's start (5-14 s on the benchmark machine,
+1.5 GB of libraries read, 0.6 GiB more RSS): a 10.9 GB conversion ran 3.2x faster than the
+reference with the GPU and 4.7x on the CPU."""
+
+
+def resolve_device(device: str) -> str:
+    """One of cpu, auto (the GPU, looked for while the CPU starts: only on a machine with a GPU
+    driver and fewer than AUTO_CPU_MIN_CORES cores; else cpu) or cuda[:N].
+
+    Decided without importing torch: only a run that may use the GPU pays for it, and then on a
+    thread of its own (accel.CudaTransforms)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+        few_cores = (os.cpu_count() or 1) < AUTO_CPU_MIN_CORES
+        return "auto" if few_cores and gpu_present() else "cpu"
+    if device.startswith("cuda") and not gpu_present():
         raise InputError("--device cuda was asked for but no CUDA device is available",
-                         fix="use --device cpu (the same bits, computed by torch on the CPU)")
-    return torch.device(device)
+                         fix="use --device cpu (the same bits, computed on the CPU)")
+    return device
 
 
-def read_rows(ckpt: Checkpoint, name: str, r0: int, r1: int, into: np.ndarray | None = None) -> torch.Tensor:
-    """Rows [r0, r1) of dim 0 (the whole tensor for a scalar): one contiguous byte range, read into
-    the front of `into` (a worker's pinned buffer) when given."""
+def read_rows(ckpt: Checkpoint, name: str, r0: int, r1: int, into: np.ndarray | None = None) -> np.ndarray:
+    """Rows [r0, r1) of dim 0 (the whole tensor for a scalar) as a numpy array in the dtype's
+    carrier: one contiguous byte range, read into the front of `into` (a worker's pinned buffer)
+    when given."""
     src = ckpt.source(name)
     info = src.info
     if not info.shape:
-        return ckpt.read(name)
+        return ckpt.read_array(name)
     row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
     nbytes = (r1 - r0) * row_bytes
     out = into[:nbytes] if into is not None and nbytes else None
     buf = read_bytes(ckpt.fd(src.file), info.start + r0 * row_bytes, nbytes, ckpt.root / src.file, out=out)
-    return tensor_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
+    return array_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
 
 
 def _needed_rows(task: Task, n_rows: int) -> tuple[int, int]:
@@ -149,8 +165,8 @@ def _needed_rows(task: Task, n_rows: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _check_scale_values(ckpt: Checkpoint, name: str, scale: torch.Tensor) -> None:
-    if scale.is_floating_point() and (not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all())):
+def _check_scale_values(ckpt: Checkpoint, name: str, scale: np.ndarray) -> None:
+    if not (np.isfinite(scale).all() and (scale > 0).all()):
         raise InputError("scale holds non-finite or non-positive values", file=ckpt.root / ckpt.source(name).file,
                          tensor=name, fix="the checkpoint is corrupt; re-download this shard")
 
@@ -159,7 +175,9 @@ def run_task(task: Task, ckpt: Checkpoint, staging: Staging, gpu: CudaTransforms
              chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
     """Stream one task's rows: read, transform (on `gpu` when given and started, else the CPU), write."""
     clock = staging.timings
-    if task.transform in WHOLE_TENSOR:
+    if task.transform in WHOLE_TENSOR:  # torch code (the quantize kernels), on the whole tensor
+        import torch
+
         with clock.activity("read"):
             x = ckpt.read(task.source)
         with clock.activity("transform"):
@@ -177,11 +195,11 @@ def run_task(task: Task, ckpt: Checkpoint, staging: Staging, gpu: CudaTransforms
         lo = lo // align * align
     scale_full = None
     if task.scale is not None and transform is not None and transform.name == "fp8_block":
-        scale_full = ckpt.read(task.scale)  # tiny: one float per 128x128 block
+        scale_full = ckpt.read_array(task.scale)  # tiny: one float per 128x128 block
         _check_scale_values(ckpt, task.scale, scale_full)
     step = task.chunk_rows(ckpt, chunk_bytes)
-    out_dtype = DTYPES[task.out_dtype][0]
     info = ckpt.source(task.source).info
+    scale_dtype = ckpt.source(task.scale).info.dtype if task.scale else None
     scalar = not info.shape
     if transform is not None and not scalar:
         in_row_bytes = info.nbytes // max(n_rows, 1)
@@ -193,26 +211,30 @@ def run_task(task: Task, ckpt: Checkpoint, staging: Staging, gpu: CudaTransforms
             if gpu is not None and transform is not None and not scalar:
                 rows_in, rows_out = (r1 - r0) * in_row_bytes, (r1 - r0) * out_row_bytes
                 pinned = gpu.staging(max(rows_in, rows_out))
-            x = ckpt.read(task.source) if scalar else read_rows(ckpt, task.source, r0, r1, pinned)
+            x = ckpt.read_array(task.source) if scalar else read_rows(ckpt, task.source, r0, r1, pinned)
             if transform is not None:
                 s0, s1 = transform.scale_rows(r0, r1)
                 scale = scale_full[s0:s1] if scale_full is not None else read_rows(ckpt, task.scale, s0, s1)
         if transform is not None:
             with clock.activity("transform"):
-                x = (gpu.apply(transform, x, scale, out_dtype) if gpu is not None
-                     else transform.apply(x, scale, out_dtype))
+                try:
+                    x = (gpu.apply(transform, x, scale, info.dtype, scale_dtype, task.out_dtype) if gpu is not None
+                         else transform.cpu(x, scale, info.dtype, task.out_dtype))
+                except NaNCodes as exc:
+                    raise NaNCodes(exc.message.removeprefix("FP8 weight holds NaN codes"),
+                                   file=ckpt.root / ckpt.source(task.source).file, tensor=task.source) from None
         with clock.activity("write"):
             _write_rows(task, x, r0, r1, staging)
     return list(task.pieces)
 
 
-def _write_rows(task: Task, x: torch.Tensor, r0: int, r1: int, staging: Staging) -> None:
+def _write_rows(task: Task, x: np.ndarray, r0: int, r1: int, staging: Staging) -> None:
     """Each piece's share of rows [r0, r1) of the (transformed) source, at its planned offset."""
     for file, placed in task.pieces:
         t = placed.tensor
         row_bytes = (placed.end - placed.start) // t.shape[0] if t.shape and t.shape[0] else 0
         nar = t.narrow
-        if not x.dim():
+        if not x.ndim:
             y, offset = x, placed.start
         elif nar is None:
             y, offset = x, placed.start + r0 * row_bytes
@@ -222,10 +244,10 @@ def _write_rows(task: Task, x: torch.Tensor, r0: int, r1: int, staging: Staging)
                 continue
             y, offset = x[a - r0: b - r0], placed.start + (a - nar[1]) * row_bytes
         else:
-            y, offset = x.narrow(*nar), placed.start + r0 * row_bytes
-        y = y.contiguous()
-        if y.numel():
-            staging.pwrite(file, y.reshape(-1).view(torch.uint8).numpy(), offset)
+            dim, start, length = nar
+            y, offset = x[(slice(None),) * dim + (slice(start, start + length),)], placed.start + r0 * row_bytes
+        if y.size:
+            staging.pwrite(file, np.ascontiguousarray(y).reshape(-1).view(np.uint8), offset)
 
 
 class Committer:
@@ -268,7 +290,7 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
     dev = resolve_device(device)
     tasks = make_tasks(plan, staging.done, staging.published, files)
     used = sorted({t.transform for t in tasks if t.transform in TRANSFORMS})
-    gpu = CudaTransforms(dev, [TRANSFORMS[n] for n in used], staging.timings) if dev.type == "cuda" and used else None
+    gpu = CudaTransforms(dev, [TRANSFORMS[n] for n in used], staging.timings) if dev != "cpu" and used else None
     if gpu is not None and wait_for_cuda:
         gpu.wait()
     # walk each input file front to back: cold sequential reads beat output order (18.6 s vs 23.0 s
@@ -301,10 +323,7 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
             pending.clear()
             pending_bytes, last_commit = 0, time.monotonic()
 
-    threads = torch.get_num_threads()
-    # share the cores between workers instead of oversubscribing them (on CUDA too: the first chunks
-    # run on the CPU while the GPU starts)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    torch_threads = _share_torch_threads(workers) if any(t.transform in WHOLE_TENSOR for t in tasks) else None
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool") as pool:
         failed = False
         try:
@@ -323,7 +342,8 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
                 fut.cancel()
             raise
         finally:
-            torch.set_num_threads(threads)
+            if torch_threads is not None:
+                torch_threads()
             # whatever finished cleanly is durable and journalled, so --resume skips it
             for fut, (task, _) in list(in_flight.items()):
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
@@ -338,5 +358,21 @@ def execute(plan: Plan, ckpt: Checkpoint, staging: Staging, *, max_memory: int, 
                 # else the error already propagating is the one to report; this work is redone on --resume
 
 
+def _share_torch_threads(workers: int) -> Callable[[], None]:
+    """Whole-tensor transforms run in torch: share the cores between workers instead of
+    oversubscribing them. Returns the undo. (numpy transforms are one thread per worker anyway.)"""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    return lambda: torch.set_num_threads(threads)
+
+
+MAX_DEFAULT_WORKERS = 16
+
+
 def default_workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    """One worker per core, up to 16: each runs its numpy transforms on one core. With 8 on the
+    16-core benchmark machine the workers were busy 98% of a warm run (transform, then writes into
+    the page cache) while sha256 and the disk had room (bench/RESULTS.md)."""
+    return max(1, min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1))

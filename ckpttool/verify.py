@@ -26,15 +26,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from ckpttool.distributed import launched_by_torchrun
 from ckpttool.errors import CkptError, InputError
 from ckpttool.model.families import family_for
 from ckpttool.model.generate import greedy_generate, teacher_forced_logits
 from ckpttool.model.loading import mp_file_name
 from ckpttool.model.parallel import ParallelContext
+from ckpttool.verify_defaults import DEFAULT_PROMPT, DEFAULT_TOLERANCE, DTYPES
 
-DTYPES = ("float32", "bfloat16")
-DEFAULT_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15}
-DEFAULT_PROMPT = "hello world"
 _MP_FILE = re.compile(r"model(\d+)-mp(\d+)\.safetensors")
 _GRACE_S = 5.0  # how long the other ranks get to report after one fails, before they are stopped
 
@@ -143,10 +142,6 @@ def run_verify(directory: Path | str, *, reference: Path | str | None = None, pr
         report = _spawn_ranks(job, timeout_s)
     report.generated_text = decode_ids(directory, report.generated_ids)
     return report
-
-
-def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def detect_mp(directory: Path, mp: int | None = None) -> int:

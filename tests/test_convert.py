@@ -113,6 +113,59 @@ def test_cpu_dequant_matches_formula_on_partial_blocks():
         assert torch.equal(ours.view(torch.int16), formula_dequant(w, s).view(torch.int16))
 
 
+def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype():
+    """The CPU kernel (numpy, bf16 rounded in integers) against torch doing the same IEEE steps:
+    fp32(code) * scale, one cast. Random codes cover subnormals and the largest values."""
+    import numpy as np
+
+    from ckpttool.kernels import fp8_cpu
+
+    g = torch.Generator().manual_seed(1)
+    for torch_fmt, fmt in ((torch.float8_e4m3fn, "F8_E4M3"), (torch.float8_e5m2, "F8_E5M2")):
+        codes = torch.randint(0, 256, (300, 260), dtype=torch.uint8, generator=g)
+        finite = codes.view(torch_fmt).float().isfinite()
+        codes = torch.where(finite, codes, torch.zeros_like(codes))  # NaN codes are refused, tested below
+        scale = torch.rand(3, 3, generator=g) * 4 + 2.0 ** -20
+        exact = codes.view(torch_fmt).float() * scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260]
+        for out, carrier in ((torch.bfloat16, torch.int16), (torch.float16, torch.int16), (torch.float32, torch.int32)):
+            ours = fp8_cpu.dequant(codes.numpy(), scale.numpy(), fmt, fp8_cpu.OUT_CODES[str(out)[6:]])
+            theirs = exact.to(out).view(carrier).numpy()
+            assert np.array_equal(ours.view(theirs.dtype), theirs), (fmt, out)
+
+
+def test_nan_codes_are_refused_naming_file_and_tensor(tiny_v3_no_mtp, tmp_path):
+    import shutil
+
+    from ckpttool.io.checkpoint import Checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_v3_no_mtp, src)
+    ckpt = Checkpoint(src)
+    name = max((n for n in ckpt.tensors if ckpt.source(n).info.dtype == "F8_E4M3"),
+               key=lambda n: ckpt.source(n).info.shape[0])
+    info = ckpt.source(name).info
+    assert info.shape[0] > 130
+    with open(src / ckpt.source(name).file, "r+b") as f:
+        f.seek(info.start + info.shape[1] * 130 + 7)  # row 130
+        f.write(b"\x7f")
+    proc = run_cli("convert", src, tmp_path / "o", "--mp", 2, "--device", "cpu", check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "NaN codes (first in row 130)" in proc.stderr and name in proc.stderr and "re-download" in proc.stderr
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("*.safetensors"))
+
+
+@pytest.mark.gpu
+def test_nan_codes_are_refused_on_either_device():
+    from ckpttool.kernels.fp8 import dequant_fp8_block
+    from ckpttool.kernels.fp8_cpu import NaNCodes
+
+    w = torch.zeros(256, 256, dtype=torch.uint8)
+    w[200, 3] = 0xFF  # -NaN in e4m3fn
+    for dev in ("cpu", "cuda"):
+        with pytest.raises(NaNCodes):
+            dequant_fp8_block(w.view(torch.float8_e4m3fn).to(dev), torch.ones(2, 2, device=dev))
+
+
 @pytest.mark.gpu
 def test_triton_dequant_bits_equal_cpu_and_reference_kernel():
     import importlib.util
@@ -166,9 +219,10 @@ def test_cuda_convert_equals_cpu_convert_bytes(tiny_v3, tmp_path):
 
 
 @pytest.mark.gpu
-def test_cuda_streams_and_pinned_buffers_change_no_byte(tiny_v3, tmp_path):
+def test_cuda_streams_and_pinned_buffers_change_no_byte(tiny_v3, tmp_path, monkeypatch):
     """Every chunk on the GPU (1 KB chunks: hundreds of them through 3 workers' streams and reused
     pinned buffers), then the default where early chunks run on the CPU while CUDA starts."""
+    from ckpttool import execute
     from ckpttool.pipeline import Spec
     from ckpttool.runner import ExecOptions, convert
 
@@ -180,9 +234,13 @@ def test_cuda_streams_and_pinned_buffers_change_no_byte(tiny_v3, tmp_path):
     assert counts.get("chunks_on_gpu", 0) > 100 and "chunks_on_cpu_while_cuda_started" not in counts, counts
     mixed = convert(tiny_v3, tmp_path / "mixed", spec, ExecOptions(quiet=True, device="cuda", chunk_bytes=1024))
     assert sum(mixed.timings.to_json()["counts"].values()) == counts["chunks_on_gpu"]
+    monkeypatch.setattr(execute, "AUTO_CPU_MIN_CORES", 1 << 20)  # as on a machine of few cores
+    auto = convert(tiny_v3, tmp_path / "auto", spec, ExecOptions(quiet=True, device="auto", chunk_bytes=1024,
+                                                                wait_for_cuda=True))
+    assert auto.timings.to_json()["counts"] == counts  # auto finds the GPU (torch imported on a thread)
     for f in (tmp_path / "cpu").iterdir():
-        assert f.read_bytes() == (tmp_path / "gpu" / f.name).read_bytes(), f.name
-        assert f.read_bytes() == (tmp_path / "mixed" / f.name).read_bytes(), f.name
+        for other in ("gpu", "mixed", "auto"):
+            assert f.read_bytes() == (tmp_path / other / f.name).read_bytes(), (other, f.name)
 
 
 @pytest.mark.gpu
@@ -212,16 +270,52 @@ def test_json_report_says_where_the_time_went(tiny_v3, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA cannot start")
-def test_failed_cuda_start_is_an_input_error_with_a_fix():
+def test_cuda_that_cannot_start_is_an_error_when_asked_for_and_the_cpu_under_auto():
+    import numpy as np
+
     from ckpttool.accel import CudaTransforms
     from ckpttool.errors import InputError
     from ckpttool.transforms import TRANSFORMS
 
-    gpu = CudaTransforms(torch.device("cuda"), [TRANSFORMS["fp8_block"]])
+    fp8 = TRANSFORMS["fp8_block"]
+    gpu = CudaTransforms("cuda", [fp8])
     gpu.wait()
-    with pytest.raises(InputError, match="CUDA dequant could not start") as err:
+    with pytest.raises(InputError, match="no CUDA device") as err:
         gpu.staging(1024)
     assert "--device cpu" in str(err.value)
+
+    auto = CudaTransforms("auto", [fp8])
+    auto.wait()
+    assert auto.staging(1024) is None  # stays on the CPU, and says so in the counts
+    x, scale = np.full((128, 128), 0x38, dtype=np.uint8), np.full((1, 1), 2.0, dtype=np.float32)  # 1.0 * 2
+    y = auto.apply(fp8, x, scale, "F8_E4M3", "F32", "BF16")
+    assert (y == 0x4000).all() and auto.timings.counts == {"chunks_on_cpu": 1}  # bf16 2.0
+
+
+def test_auto_is_the_cpu_on_many_cores_or_without_a_gpu(monkeypatch):
+    from ckpttool import execute
+
+    for cores, gpu, want in ((16, True, "cpu"), (4, True, "auto"), (4, False, "cpu"), (64, False, "cpu")):
+        monkeypatch.setattr(execute.os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(execute, "gpu_present", lambda: gpu)
+        assert execute.resolve_device("auto") == want, (cores, gpu)
+    monkeypatch.setattr(execute, "gpu_present", lambda: False)
+    with pytest.raises(execute.InputError, match="no CUDA device"):
+        execute.resolve_device("cuda")
+
+
+def test_cpu_conversion_never_imports_torch(tiny_v3_no_mtp, tmp_path):
+    """torch's import is seconds of every run's start-up: the CPU data path is numpy only."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from ckpttool.cli import main; "
+            f"rc = main(['convert', {str(tiny_v3_no_mtp)!r}, {str(tmp_path / 'o')!r}, '--mp', '2', '--device', 'cpu', "
+            "'-q']); assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ref = reference_convert(reference_dequant(tiny_v3_no_mtp, tmp_path / "ref-bf16"), tmp_path / "ref", 2)
+    assert_same_tensors(load_dir(tmp_path / "o"), load_dir(ref))
 
 
 def test_usage_errors_are_messages_not_tracebacks():

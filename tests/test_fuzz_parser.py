@@ -29,7 +29,9 @@ from safetensors.torch import save_file
 
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import INDEX_NAME, Checkpoint
-from ckpttool.io.safetensors import DTYPES, check_tensor_name, itemsize, read_bytes, read_header, tensor_from_bytes
+from ckpttool.io.safetensors import (
+    ITEMSIZES, check_tensor_name, itemsize, read_bytes, read_header, tensor_from_bytes, torch_dtype,
+)
 
 EXAMPLES = int(os.environ.get("CKPTTOOL_FUZZ_EXAMPLES", "300"))
 # CI runs are derandomized (same examples every run, no flakes); a long run explores fresh ones.
@@ -48,7 +50,7 @@ def scratch() -> Path:
 # -- generators ------------------------------------------------------------------------------------
 NASTY_NAMES = ["w", "model.layers.0.mlp.experts.7.down_proj.weight", "", "a/b", "..", "a\\b", "x\x00y", "x\ny",
                "\x1b[31m", "w\u202e", "\u00e9t\u00e9", "\U0001f600", "__metadata__", " ", "a" * 300]
-NASTY_DTYPES = [*DTYPES, "F4", "bf16", "", "F8_E4M3FN", "I128", None, 3, ["F32"], {"F32": 1}]
+NASTY_DTYPES = [*ITEMSIZES, "F4", "bf16", "", "F8_E4M3FN", "I128", None, 3, ["F32"], {"F32": 1}]
 
 good_names = st.text(alphabet="abcxyz0123456789._-", min_size=1, max_size=12)
 names = st.one_of(good_names, good_names, good_names, st.sampled_from(NASTY_NAMES), st.text(max_size=8))
@@ -75,7 +77,7 @@ def safetensors_files(draw) -> bytes:
     for _ in range(draw(st.integers(0, 4))):
         name = draw(good_names if clean else names)
         nasty = not clean and draw(st.integers(0, 5)) == 0
-        dtype = draw(st.sampled_from(NASTY_DTYPES if nasty else list(DTYPES)))
+        dtype = draw(st.sampled_from(NASTY_DTYPES if nasty else list(ITEMSIZES)))
         shape = draw(st.lists(st.integers(0, 4), max_size=3)) if clean or draw(st.integers(0, 4)) else draw(shapes)
         entries.append([name, dtype, shape])
     # Lay the entries out contiguously, in a drawn order, as a correct writer would.
@@ -168,7 +170,7 @@ def check_consistent(path: Path) -> None:
         for name, info in sf.tensors.items():
             theirs = ref.get_tensor(name)
             assert tuple(theirs.shape) == info.shape == tuple(ours[name].shape)
-            assert theirs.dtype == ours[name].dtype == DTYPES[info.dtype][0]
+            assert theirs.dtype == ours[name].dtype == torch_dtype(info.dtype)
             assert torch.equal(theirs.reshape(-1).view(torch.uint8), ours[name].reshape(-1).view(torch.uint8))
 
 

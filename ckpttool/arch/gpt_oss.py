@@ -31,13 +31,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckpttool.arch.base import Arch, attention_shapes, config_fields, register
 from ckpttool.arch.keymap import KeyMap
 from ckpttool.errors import InputError, PlanError
 from ckpttool.kernels.mxfp4 import VALUES_PER_BLOCK, check_mxfp4, dequant_mxfp4
+
+if TYPE_CHECKING:
+    import torch
 
 EXPERTS = 0
 """Stacked expert tensors [E, ...] are cut along dim 0: rank r gets a contiguous range of experts."""
@@ -243,6 +245,8 @@ def hf_tensor_shapes(cfg: GptOssConfig, *, mxfp4: bool | None = None) -> dict[st
 
 def hf_tensor_dtype(hf_name: str) -> torch.dtype:
     """The dtype gpt-oss publishes each tensor in: u8 MXFP4 blocks/scales, BF16 for the rest."""
+    import torch
+
     return torch.uint8 if hf_name.endswith(("_blocks", "_scales")) else torch.bfloat16
 
 
@@ -274,16 +278,19 @@ def bf16_expert_shape(blocks_shape) -> tuple[int, int, int]:
     return (e, groups * VALUES_PER_BLOCK, rows)
 
 
-def dequant_expert_weight(blocks: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+def dequant_expert_weight(blocks: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype | None = None,
                           *, tensor: str = "<blocks>") -> torch.Tensor:
-    """MXFP4 [E, R, G, 16] + [E, R, G] -> [E, G * 32, R] in transformers' BF16 layout.
+    """MXFP4 [E, R, G, 16] + [E, R, G] -> [E, G * 32, R] in transformers' layout (BF16 by default).
 
     One expert at a time, so the temporary beside the output is one expert's [R, G * 32], not a
     second copy of the whole tensor.
     """
     if blocks.dim() != 4:
         raise InputError(f"gpt-oss expert blocks must be 4-D [E, R, G, 16], got {list(blocks.shape)}", tensor=tensor)
+    import torch
+
     check_mxfp4(blocks.shape, scales.shape, tensor=tensor)
+    out_dtype = out_dtype or torch.bfloat16
     out = torch.empty(bf16_expert_shape(blocks.shape), dtype=out_dtype, device=blocks.device)
     for e in range(blocks.shape[0]):
         out[e] = dequant_mxfp4(blocks[e], scales[e], out_dtype, tensor=tensor).transpose(0, 1)

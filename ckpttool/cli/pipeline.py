@@ -19,7 +19,7 @@ from ckpttool.recipe import Recipe, load_recipe, validate_recipe
 from ckpttool.runner import ExecOptions, RunResult, convert, parse_size, plan_only
 
 MaxMemory = Annotated[Optional[str], typer.Option("--max-memory", help="Memory budget for tensors in flight, e.g. 8GiB (default 4GiB).")]
-Workers = Annotated[Optional[int], typer.Option("--workers", min=1, help="Parallel tensor workers (default: cores, at most 8).")]
+Workers = Annotated[Optional[int], typer.Option("--workers", min=1, help="Parallel tensor workers (default: cores, at most 16).")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace ckpttool output already in DST.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in DST; byte-identical result.")]
 KeepMtp = Annotated[bool, typer.Option("--keep-mtp", help="Keep multi-token-prediction layers (dropped by default).")]

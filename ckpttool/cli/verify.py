@@ -12,7 +12,8 @@ import typer
 from ckpttool.cli.app import app
 from ckpttool.cli.options import Json, Quiet
 from ckpttool.errors import InputError
-from ckpttool.verify import DEFAULT_PROMPT, DEFAULT_TOLERANCE, launched_by_torchrun, run_verify
+from ckpttool.distributed import launched_by_torchrun
+from ckpttool.verify_defaults import DEFAULT_PROMPT, DEFAULT_TOLERANCE
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -52,6 +53,8 @@ def verify(
 
     Under torchrun each process is one rank: torchrun --nproc-per-node 8 $(which ckpttool) verify ./V3-mp8 --device cuda
     """
+    from ckpttool.verify import run_verify  # torch loads only when this command runs
+
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     report = run_verify(directory, reference=reference, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens,
                         device=device, dtype=dtype, tolerance=tolerance, mp=mp, attn_impl=attn)

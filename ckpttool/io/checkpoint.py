@@ -16,12 +16,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from ckpttool.errors import InputError
 from ckpttool.io.safetensors import (
     SafetensorsFile,
     TensorInfo,
+    array_from_bytes,
     check_tensor_name,
     loads_strict_json,
     printable,
@@ -152,11 +153,17 @@ class Checkpoint:
         """A read-only descriptor for one shard, opened once and shared (pread is thread-safe)."""
         return self._fd(fname)
 
-    def read(self, name: str) -> torch.Tensor:
-        """Read one tensor into fresh memory (pread; the page cache does the rest)."""
+    def read(self, name: str):
+        """Read one tensor into fresh memory as a torch tensor (pread; the page cache does the rest)."""
+        return tensor_from_bytes(self._read_bytes(name), self.source(name).info.dtype, self.source(name).info.shape)
+
+    def read_array(self, name: str) -> np.ndarray:
+        """`read` as a numpy array in the dtype's carrier (io.safetensors.CARRIERS): no torch."""
+        return array_from_bytes(self._read_bytes(name), self.source(name).info.dtype, self.source(name).info.shape)
+
+    def _read_bytes(self, name: str) -> np.ndarray:
         src = self.source(name)
-        buf = read_bytes(self._fd(src.file), src.info.start, src.info.nbytes, self.root / src.file)
-        return tensor_from_bytes(buf, src.info.dtype, src.info.shape)
+        return read_bytes(self._fd(src.file), src.info.start, src.info.nbytes, self.root / src.file)
 
     def close(self) -> None:
         with self._lock:

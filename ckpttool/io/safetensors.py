@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
 
 from ckpttool.errors import InputError
 
@@ -31,29 +30,41 @@ MAX_NDIM = 64  # real tensors have <= 8 dims; a longer shape list is a corrupt h
 # line/paragraph separators. Names are ASCII in every published checkpoint.
 _BAD_NAME_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "BOOL": (torch.bool, 1),
-    "U8": (torch.uint8, 1),
-    "I8": (torch.int8, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-    "F8_E8M0": (getattr(torch, "float8_e8m0fnu", torch.uint8), 1),
-    "I16": (torch.int16, 2),
-    "U16": (torch.uint16, 2),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I32": (torch.int32, 4),
-    "U32": (torch.uint32, 4),
-    "F32": (torch.float32, 4),
-    "I64": (torch.int64, 8),
-    "U64": (torch.uint64, 8),
-    "F64": (torch.float64, 8),
+# dtype code -> (numpy carrier, torch dtype name). The carrier has the element's size (and is the
+# element type itself where numpy has one): the CPU data path moves and slices tensors as numpy
+# arrays and never needs torch, whose import costs seconds at every start.
+_DTYPE_TABLE: dict[str, tuple[type, str]] = {
+    "BOOL": (np.bool_, "bool"),
+    "U8": (np.uint8, "uint8"),
+    "I8": (np.int8, "int8"),
+    "F8_E4M3": (np.uint8, "float8_e4m3fn"),
+    "F8_E5M2": (np.uint8, "float8_e5m2"),
+    "F8_E8M0": (np.uint8, "float8_e8m0fnu"),
+    "I16": (np.int16, "int16"),
+    "U16": (np.uint16, "uint16"),
+    "F16": (np.float16, "float16"),
+    "BF16": (np.uint16, "bfloat16"),
+    "I32": (np.int32, "int32"),
+    "U32": (np.uint32, "uint32"),
+    "F32": (np.float32, "float32"),
+    "I64": (np.int64, "int64"),
+    "U64": (np.uint64, "uint64"),
+    "F64": (np.float64, "float64"),
 }
-DTYPE_OF_TORCH = {t: code for code, (t, _) in DTYPES.items() if code != "F8_E8M0" or t is not torch.uint8}
+CARRIERS: dict[str, np.dtype] = {code: np.dtype(c) for code, (c, _) in _DTYPE_TABLE.items()}
+ITEMSIZES: dict[str, int] = {code: c.itemsize for code, c in CARRIERS.items()}
 
 
 def itemsize(dtype: str) -> int:
-    return DTYPES[dtype][1]
+    return ITEMSIZES[dtype]
+
+
+def torch_dtype(dtype: str):
+    """The torch dtype of a safetensors code (torch imported on first use; F8_E8M0 is uint8 on a
+    torch without float8_e8m0fnu)."""
+    import torch
+
+    return getattr(torch, _DTYPE_TABLE[dtype][1], torch.uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,9 +284,9 @@ def _parse_entry(name: str, entry: object, data_start: int, path: Path) -> Tenso
         raise InputError(f"header entry must have exactly dtype, shape and data_offsets, got {_short(got)}",
                          file=path, tensor=name, fix=fix)
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZES:
         raise InputError(f"unknown dtype {_short(dtype)}", file=path, tensor=name,
-                         fix=f"supported dtypes: {', '.join(DTYPES)}; re-download or convert the file")
+                         fix=f"supported dtypes: {', '.join(ITEMSIZES)}; re-download or convert the file")
     # type() is int, not isinstance: JSON true/false arrive as bool, which isinstance counts as int
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise InputError(f"shape {_short(shape)} is not a list of non-negative integers", file=path, tensor=name,
@@ -336,8 +347,16 @@ def read_bytes(fd: int, start: int, nbytes: int, path: object = None, out: np.nd
     return buf
 
 
-def tensor_from_bytes(buf, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    torch_dtype = DTYPES[dtype][0]
+def array_from_bytes(buf: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A uint8 buffer as a numpy array of `shape` in the dtype's carrier (see CARRIERS): no copy."""
+    return buf.view(CARRIERS[dtype]).reshape(shape)
+
+
+def tensor_from_bytes(buf, dtype: str, shape: tuple[int, ...]):
+    """A buffer as a torch tensor of `dtype` and `shape`: no copy."""
+    import torch
+
+    tdtype = torch_dtype(dtype)
     if len(buf) == 0:
-        return torch.empty(shape, dtype=torch_dtype)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(torch_dtype).reshape(shape)
+        return torch.empty(shape, dtype=tdtype)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(tdtype).reshape(shape)

@@ -1,11 +1,11 @@
-"""MXFP4 (OCP microscaling, e2m1 values with e8m0 block exponents) dequant: torch on CPU, Triton on
-CUDA, the same bits.
+"""MXFP4 (OCP microscaling, e2m1 values with e8m0 block exponents) dequant: numpy on CPU (kernels/mxfp4_cpu.py),
+Triton on CUDA, the same bits.
 
 Storage (gpt-oss): `*_blocks` u8 [..., G, 16] holds 32 e2m1 codes per group, two per byte, low nibble
 first; `*_scales` u8 [..., G] holds one biased exponent per group. Value = e2m1(code) * 2**(scale - 127).
 
 Why both devices give identical bits: no floating-point arithmetic runs on either device. Every output
-element is a function of only (scale byte, code nibble), so `_pair_table` precomputes the output bits
+element is a function of only (scale byte, code nibble), so `pair_table` (mxfp4_cpu.py) precomputes the output bits
 of every (scale, byte) pair once, on the CPU, and both paths are pure integer gathers from that one
 table (`out[r, j] = table[scale[r] << 8 | blocks[r, j]]`, two outputs per gathered word). Flush-to-zero
 modes, fused multiply-adds or a different libm cannot change a gather.
@@ -28,18 +28,21 @@ output dtype. Edge cases, all checked against transformers in tests/test_mxfp4.p
 from __future__ import annotations
 
 import functools
-import math
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckpttool.errors import InputError
+from ckpttool.kernels.mxfp4_cpu import (  # noqa: F401 - the format's constants, re-exported
+    BYTES_PER_BLOCK,
+    E2M1_VALUES,
+    OUT_CODES,
+    SCALE_BIAS,
+    VALUES_PER_BLOCK,
+    gather_pairs,
+    pair_table,
+)
 
-VALUES_PER_BLOCK = 32
-BYTES_PER_BLOCK = 16
-SCALE_BIAS = 127
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_BYTES_PER_CHUNK = 1 << 22  # blocks bytes per CPU step; the int32 index temporary is 4x this (16 MiB)
+if TYPE_CHECKING:
+    import torch
 
 
 def check_mxfp4(blocks_shape, scales_shape, *, tensor: str, file: object = None) -> None:
@@ -61,12 +64,16 @@ def dequantized_shape(blocks_shape) -> tuple[int, ...]:
     return (*prefix, groups * VALUES_PER_BLOCK)
 
 
-def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype | None = None,
                   *, tensor: str = "<blocks>") -> torch.Tensor:
-    """u8 blocks [..., G, 16] and u8 (or float8_e8m0fnu) scales [..., G] -> out_dtype [..., G * 32].
+    """u8 blocks [..., G, 16] and u8 (or float8_e8m0fnu) scales [..., G] -> out_dtype (bf16 by
+    default) [..., G * 32].
 
     No transpose: the layout change gpt-oss needs lives in ckpttool.arch.gpt_oss.
     """
+    import torch
+
+    out_dtype = out_dtype or torch.bfloat16
     check_mxfp4(blocks.shape, scales.shape, tensor=tensor)
     if blocks.dtype != torch.uint8:
         raise InputError(f"MXFP4 blocks must be uint8, got {blocks.dtype}", tensor=tensor)
@@ -74,61 +81,27 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out_dtype: torch.d
         scales = scales.view(torch.uint8)
     if scales.dtype != torch.uint8:
         raise InputError(f"MXFP4 scales must be uint8 e8m0 exponents, got {scales.dtype}", tensor=tensor)
-    if out_dtype not in OUT_DTYPES:
-        raise InputError(f"MXFP4 dequant writes one of {[str(d) for d in OUT_DTYPES]}, not {out_dtype}",
-                         tensor=tensor)
+    out = OUT_CODES.get(str(out_dtype).removeprefix("torch."))
+    if out is None:
+        raise InputError(f"MXFP4 dequant writes one of {list(OUT_CODES)}, not {out_dtype}", tensor=tensor)
     if blocks.device != scales.device:
         raise InputError(f"blocks on {blocks.device} but scales on {scales.device}", tensor=tensor)
-    table = _pair_table(out_dtype, blocks.device)
+    if blocks.numel() == 0:  # (numpy gives an empty array zero strides, which torch cannot view)
+        return torch.empty(dequantized_shape(blocks.shape), dtype=out_dtype, device=blocks.device)
     if blocks.is_cuda:
         from ckpttool.kernels import mxfp4_triton
 
-        words = mxfp4_triton.gather_pairs(blocks, scales, table)
+        words = mxfp4_triton.gather_pairs(blocks, scales, device_pair_table(out, blocks.device))
     else:
-        words = _gather_pairs_cpu(blocks, scales, table)
+        words = torch.from_numpy(gather_pairs(blocks.contiguous().numpy(), scales.contiguous().numpy(), out))
     return words.view(out_dtype).reshape(dequantized_shape(blocks.shape))
 
 
-def _gather_pairs_cpu(blocks: torch.Tensor, scales: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """words[r, j] = table[scales[r] << 8 | blocks[r, j]], chunked so temporaries stay bounded."""
-    rows = math.prod(scales.shape)
-    flat_blocks = blocks.reshape(rows, BYTES_PER_BLOCK)
-    flat_scales = scales.reshape(rows, 1)
-    words = torch.empty((rows, BYTES_PER_BLOCK), dtype=table.dtype)
-    step = max(1, _BYTES_PER_CHUNK // BYTES_PER_BLOCK)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        idx = flat_blocks[r0:r1].to(torch.int32)
-        idx |= flat_scales[r0:r1].to(torch.int32) << 8
-        torch.index_select(table, 0, idx.view(-1), out=words[r0:r1].view(-1))
-    return words
-
-
 @functools.lru_cache(maxsize=None)
-def _pair_table(out_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[65536] integer words: entry (scale << 8 | byte) holds the two output elements of that byte,
-    low nibble's element first in memory. Built once per (dtype, device) from the CPU table."""
-    if device.type != "cpu":
-        return _pair_table(out_dtype, torch.device("cpu")).to(device)
-    values = value_table(out_dtype)  # [256 scales, 16 codes]
-    elem_int = {2: torch.int16, 4: torch.int32}[values.element_size()]
-    word_int = {2: torch.int32, 4: torch.int64}[values.element_size()]
-    bits = values.view(elem_int)
-    byte = torch.arange(256)
-    pair = torch.empty((256, 256, 2), dtype=elem_int)
-    pair[:, :, 0] = bits[:, byte & 0x0F]
-    pair[:, :, 1] = bits[:, byte >> 4]
-    return pair.view(word_int).reshape(256 * 256).contiguous()
+def device_pair_table(out: str, device: torch.device) -> torch.Tensor:
+    """kernels.mxfp4_cpu.pair_table on a torch device (as signed words, which torch supports
+    everywhere), built once per (dtype, device)."""
+    import torch
 
-
-@functools.lru_cache(maxsize=None)
-def value_table(out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """[256, 16]: the dequantized value of every (e8m0 scale, e2m1 code), exactly as transformers does.
-
-    math.ldexp in float64 is exact for all 4096 products (|value| <= 6 * 2**128); the single cast
-    to float32 rounds only where fp32 overflows (>= 2**128 -> inf), which bf16/fp16 would too, and
-    the cast on to out_dtype is then one RNE rounding of the exact value.
-    """
-    exact = torch.tensor([[math.ldexp(v, s - SCALE_BIAS) for v in E2M1_VALUES] for s in range(256)],
-                         dtype=torch.float64)
-    return exact.to(torch.float32).to(out_dtype)
+    table = pair_table(out)
+    return torch.from_numpy(table.view(table.dtype.str.replace("u", "i"))).to(device)

@@ -13,13 +13,20 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside each function: planning (stages/quantize.py) reads INT4_GROUP_SIZES
+# without paying for torch's import.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, N] -> (int8 [M, N], scales [M] in weight.dtype)."""
+    import torch
+
     if weight.dim() != 2:
         raise ValueError(f"int8 per-channel quantization needs a 2-D weight, got {list(weight.shape)}")
     x = weight.float()
@@ -30,8 +37,10 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, scales.to(weight.dtype)
 
 
-def dequant_int8_per_channel(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return (q.float() * scales.float().unsqueeze(-1)).to(out_dtype)
+def dequant_int8_per_channel(q: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    import torch
+
+    return (q.float() * scales.float().unsqueeze(-1)).to(out_dtype or torch.bfloat16)
 
 
 def _check_int4(weight: torch.Tensor, group_size: int) -> None:
@@ -45,6 +54,8 @@ def _check_int4(weight: torch.Tensor, group_size: int) -> None:
 
 def quantize_int4_grouped(weight: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, N] -> (q: int32 [M, N] in 0..15, scales_and_zeros: bfloat16 [N / group_size, M, 2])."""
+    import torch
+
     _check_int4(weight, group_size)
     w = weight.to(torch.bfloat16)
     rows = w.reshape(-1, group_size)
@@ -58,21 +69,27 @@ def quantize_int4_grouped(weight: torch.Tensor, group_size: int = 128) -> tuple[
 
 
 def dequant_int4_grouped(q: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int = 128,
-                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Inverse of quantize_int4_grouped (q unpacked, int32 [M, N])."""
+    import torch
+
     scales = scales_and_zeros[..., 0].transpose(0, 1).reshape(-1, 1)  # [M * G, 1]
     zeros = scales_and_zeros[..., 1].transpose(0, 1).reshape(-1, 1)
     w = q.reshape(-1, group_size).to(torch.bfloat16).sub(8).mul(scales).add(zeros)
-    return w.reshape(q.shape).to(out_dtype)
+    return w.reshape(q.shape).to(out_dtype or torch.bfloat16)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """int 0..15 [M, N] -> uint8 [M, N / 2]: column 2j in the low nibble, column 2j + 1 in the high one."""
+    import torch
+
     q = q.to(torch.uint8)
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [M, N / 2] -> int32 [M, N]."""
+    import torch
+
     low, high = packed & 0x0F, packed >> 4
     return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1).to(torch.int32)

@@ -15,9 +15,7 @@ Execution: `QUANTIZE_TRANSFORMS[name](weight)` computes one output from the whol
 
 from __future__ import annotations
 
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from ckpttool.arch.base import Arch
 from ckpttool.errors import PlanError
@@ -30,6 +28,9 @@ from ckpttool.kernels.quant import (
 )
 from ckpttool.plan import TensorPlan
 from ckpttool.stages.dequant import FP8_DTYPES, SCALE_SUFFIX
+
+if TYPE_CHECKING:
+    import torch
 
 FORMATS = ("fp8_block", "int8", "int4")
 _FLOAT_DTYPES = ("BF16", "F16", "F32")

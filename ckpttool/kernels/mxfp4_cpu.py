@@ -1,0 +1,75 @@
+"""MXFP4 dequant on the CPU, in numpy, and the pair table both devices gather from (see
+kernels/mxfp4.py for the format and why a table gives the same bits everywhere). No torch import.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from ckpttool.kernels.fp8_cpu import OUT_CODES, round_to_bf16  # noqa: F401 - OUT_CODES re-exported
+
+VALUES_PER_BLOCK = 32
+BYTES_PER_BLOCK = 16
+SCALE_BIAS = 127
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_ROWS_PER_STEP = 1 << 18  # groups per gather: the int32 index temporary is 16 MiB
+
+
+@functools.lru_cache(maxsize=None)
+def value_bits(out: str) -> np.ndarray:
+    """[256 scales, 16 codes]: the bits of every dequantized (e8m0 scale, e2m1 code), exactly as
+    transformers computes them. math.ldexp in float64 is exact for all 4096 products (|value| <=
+    6 * 2**128); the cast to float32 rounds only where fp32 overflows (>= 2**128 -> inf), which
+    bf16/fp16 would too, and the cast on to the output dtype is one RNE rounding of the exact value."""
+    exact = np.array([[math.ldexp(v, s - SCALE_BIAS) for v in E2M1_VALUES] for s in range(256)])
+    with np.errstate(over="ignore"):
+        f32 = exact.astype(np.float32)
+        if out == "F32":
+            return f32.view(np.uint32)
+        if out == "F16":
+            return f32.astype(np.float16).view(np.uint16)
+    bits = np.empty(f32.shape, dtype=np.uint16)
+    round_to_bf16(f32, bits, np.empty(f32.shape, dtype=np.uint32))
+    return bits
+
+
+@functools.lru_cache(maxsize=None)
+def pair_table(out: str) -> np.ndarray:
+    """[65536] integer words: entry (scale << 8 | byte) holds the two output elements of that byte,
+    low nibble's element first in memory."""
+    bits = value_bits(out)
+    byte = np.arange(256)
+    pair = np.empty((256, 256, 2), dtype=bits.dtype)
+    pair[:, :, 0] = bits[:, byte & 0x0F]
+    pair[:, :, 1] = bits[:, byte >> 4]
+    word = {2: np.uint32, 4: np.uint64}[bits.itemsize]
+    return np.ascontiguousarray(pair).view(word).reshape(256 * 256)
+
+
+def gather_pairs(blocks: np.ndarray, scales: np.ndarray, out: str) -> np.ndarray:
+    """uint8 blocks [..., G, 16] and uint8 scales [..., G] -> words [rows, 16] with
+    words[r, j] = table[scales[r] << 8 | blocks[r, j]]: the caller views them as [..., G * 32]."""
+    table = pair_table(out)
+    rows = math.prod(scales.shape)
+    flat_blocks = blocks.reshape(rows, BYTES_PER_BLOCK)
+    flat_scales = scales.reshape(rows, 1)
+    words = np.empty((rows, BYTES_PER_BLOCK), dtype=table.dtype)
+    idx = np.empty((min(rows, _ROWS_PER_STEP), BYTES_PER_BLOCK), dtype=np.int32)
+    for r0 in range(0, rows, _ROWS_PER_STEP):
+        r1 = min(rows, r0 + _ROWS_PER_STEP)
+        i = idx[: r1 - r0]
+        np.left_shift(flat_scales[r0:r1], 8, out=i, dtype=np.int32)
+        i |= flat_blocks[r0:r1]
+        np.take(table, i, out=words[r0:r1])
+    return words
+
+
+def dequant(blocks: np.ndarray, scales: np.ndarray, out: str) -> np.ndarray:
+    """[..., G, 16] blocks, [..., G] scales -> [..., G * 32] values in the output's carrier
+    (io.safetensors.CARRIERS: bf16 as uint16)."""
+    carrier = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[out]
+    *prefix, groups, _ = blocks.shape
+    return gather_pairs(blocks, scales, out).view(carrier).reshape(*prefix, groups * VALUES_PER_BLOCK)
