@@ -4,7 +4,8 @@ For one synthetic (or real) FP8 DeepSeek-V3 checkpoint, in one run on one machin
 
   disk          raw disk bandwidth sized like the output: dd write (conv=fsync, and oflag=direct),
                 a random-data write with fsync, a cold read, and a copy (read + write at once)
-  convert       `ckpttool convert SRC DST --mp 8 --dtype bf16`
+  convert       `ckpttool convert SRC DST --mp 8 --dtype bf16` (default device: auto)
+  convert-cpu   the same with `--device cpu` (never imports torch)
   reference     fp8_cast_bf16.py then convert.py --model-parallel 8, from an unmodified copy of
                 DeepSeek-V3's inference scripts (needs CUDA + Triton; skipped, and said so, without)
   kernel        Triton FP8 dequant kernel bandwidth vs the device's peak (bench/kernel_bench.py)
@@ -45,7 +46,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
-ALL_STEPS = ["disk", "convert", "reference", "kernel", "dequant-cuda", "dequant-cpu", "flat", "hybrid"]
+ALL_STEPS = ["disk", "convert", "convert-cpu", "reference", "kernel", "dequant-cuda", "dequant-cpu", "flat", "hybrid"]
 DEFAULT_STEPS = ["disk", "convert", "reference", "kernel", "dequant-cuda", "dequant-cpu", "flat"]
 # sha256 of the published DeepSeek-V3 inference scripts this benchmark runs unmodified
 SEED_SHA256 = {
@@ -616,16 +617,18 @@ class Bench:
         self.res["disk"] = disk
         self.save()
 
-    def step_convert(self) -> None:
+    def step_convert(self, device: str | None = None) -> None:
         dst = self.fresh("ckpttool-mp")
-        rec = self.measure("convert", self.ckpttool("convert", self.src, dst, "--mp", self.args.mp, "--dtype", "bf16",
-                                                    "--json", *shlex.split(self.args.convert_args)),
+        label = "convert" if device is None else f"convert-{device}"
+        rec = self.measure(label, self.ckpttool("convert", self.src, dst, "--mp", self.args.mp, "--dtype", "bf16",
+                                                "--json", *(["--device", device] if device else []),
+                                                *shlex.split(self.args.convert_args)),
                            out_dir=dst, inputs=[self.src])
-        self._attach_report(rec, "convert")
+        self._attach_report(rec, label)
         if rec["rc"] == 0:
-            self.digest("convert", dst)
-            self.check("convert == reference (mp shards)", "convert", "reference")
-            self.check("convert == hybrid reference (mp shards)", "convert", "hybrid")
+            self.digest(label, dst)
+            self.check(f"{label} == reference (mp shards)", label, "reference")
+            self.check(f"{label} == hybrid reference (mp shards)", label, "hybrid")
         self.cleanup(dst)
 
     def _child_json(self, label: str) -> dict | None:
@@ -688,6 +691,7 @@ class Bench:
             self.digest("reference", mp)
             self.digest("reference-bf16", bf16)
             self.check("convert == reference (mp shards)", "convert", "reference")
+            self.check("convert-cpu == reference (mp shards)", "convert-cpu", "reference")
             for other in ("dequant-cuda", "dequant-cpu"):
                 self.check(f"{other} == reference fp8_cast_bf16 (HF)", other, "reference-bf16")
         self.cleanup(bf16, mp, copy)
@@ -809,7 +813,8 @@ class Bench:
                 continue
             print(f"[bench] --- {step} ({'no budget' if left is None else f'{left:.0f}s left'})", flush=True)
             try:
-                {"disk": self.step_disk, "convert": self.step_convert, "reference": self.step_reference,
+                {"disk": self.step_disk, "convert": self.step_convert, "convert-cpu": lambda: self.step_convert("cpu"),
+                 "reference": self.step_reference,
                  "kernel": self.step_kernel, "dequant-cuda": lambda: self.step_dequant("cuda"),
                  "dequant-cpu": lambda: self.step_dequant("cpu"), "flat": self.step_flat,
                  "hybrid": self.step_hybrid}[step]()
@@ -860,6 +865,15 @@ def summarize(res: dict) -> dict:
             moved = conv["disk_read_bytes"] + conv["disk_write_bytes"]
             s["convert_disk_gb_moved"] = round(moved / GB, 2)
             s["convert_fraction_of_read_write_bw"] = round(moved / conv["durable_s"] / disk["read_write_total"], 3)
+    conv_cpu = steps.get("convert-cpu")
+    if ok(conv_cpu):
+        s["convert_cpu_gb_per_s"] = round(conv_cpu["bytes_written"] / conv_cpu["durable_s"] / GB, 3)
+        s["convert_cpu_peak_rss_gib"] = round(conv_cpu["peak_rss_bytes"] / GiB, 3)
+        if ok(ref):
+            s["speedup_cpu_vs_reference"] = round(ref["durable_s"] / conv_cpu["durable_s"], 2)
+        if disk.get("write_best"):
+            s["convert_cpu_fraction_of_disk_write_bw"] = round(
+                conv_cpu["bytes_written"] / disk["write_best"] / conv_cpu["durable_s"], 3)
     cpu, gpu = steps.get("dequant-cpu"), steps.get("dequant-cuda")
     if ok(cpu) and ok(gpu):
         s["dequant_cpu_over_cuda"] = round(cpu["durable_s"] / gpu["durable_s"], 2)
