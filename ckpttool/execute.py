@@ -220,8 +220,8 @@ def run_task(task: Task, ckpt: Checkpoint, staging: Staging, gpu: CudaTransforms
                 try:
                     x = (gpu.apply(transform, x, scale, info.dtype, scale_dtype, task.out_dtype) if gpu is not None
                          else transform.cpu(x, scale, info.dtype, task.out_dtype))
-                except NaNCodes as exc:
-                    raise NaNCodes(exc.message.removeprefix("FP8 weight holds NaN codes"),
+                except NaNCodes as exc:  # the kernel saw rows r0.. of the tensor
+                    raise NaNCodes(None if exc.row is None else r0 + exc.row,
                                    file=ckpt.root / ckpt.source(task.source).file, tensor=task.source) from None
         with clock.activity("write"):
             _write_rows(task, x, r0, r1, staging)

@@ -153,6 +153,13 @@ def test_nan_codes_are_refused_naming_file_and_tensor(tiny_v3_no_mtp, tmp_path):
     assert "NaN codes (first in row 130)" in proc.stderr and name in proc.stderr and "re-download" in proc.stderr
     assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("*.safetensors"))
 
+    from ckpttool.errors import InputError
+    from ckpttool.pipeline import Spec
+    from ckpttool.runner import ExecOptions, convert
+
+    with pytest.raises(InputError, match=r"first in row 130\)"):  # row 2 of the chunk that starts at 128
+        convert(src, tmp_path / "o2", Spec(dequant=True, mp=2), ExecOptions(quiet=True, device="cpu", chunk_bytes=1024))
+
 
 @pytest.mark.gpu
 def test_nan_codes_are_refused_on_either_device():

@@ -34,9 +34,12 @@ _FORMATS = {"F8_E4M3": (4, 3, 7, False), "F8_E5M2": (5, 2, 15, True)}
 
 class NaNCodes(InputError):
     """An FP8 weight holds NaN codes: a corrupt checkpoint (on either device; the executor adds the
-    file and tensor). Rejected rather than passed on, as no two devices agree on a NaN's bits."""
+    file and tensor, and turns `row` into the tensor's row). Rejected rather than passed on, as no
+    two devices agree on a NaN's bits."""
 
-    def __init__(self, where: str = "", **context):
+    def __init__(self, row: int | None = None, **context):
+        self.row = row
+        where = "" if row is None else f" (first in row {row})"
         super().__init__(f"FP8 weight holds NaN codes{where}", fix="the checkpoint is corrupt; re-download it",
                          **context)
 
@@ -114,7 +117,7 @@ def dequant(codes: np.ndarray, scale: np.ndarray, fmt: str, out_dtype: str, *, b
             b0 = b1
         if np.isnan(xv).any():
             bad = int(np.flatnonzero(np.isnan(xv).any(axis=1))[0]) + r0
-            raise NaNCodes(f" (first in row {bad})")
+            raise NaNCodes(bad)
         if tmp is not None:
             round_to_bf16(xv, out[r0:r1], tmp[:n])
         else:
