@@ -31,6 +31,11 @@ from ckpttool.transforms import Transform
 _FIX = "install Triton for your CUDA torch (pip install -e '.[gpu]'), or pass --device cpu (the same bits)"
 
 
+def no_cuda() -> InputError:
+    return InputError("--device cuda was asked for but no CUDA device is available",
+                      fix="use --device cpu (the same bits, computed on the CPU)")
+
+
 def gpu_present() -> bool:
     """Whether this machine shows a GPU driver at all, without importing torch: `--device auto`
     starts CUDA only where one may be. torch decides in the end (torch.cuda.is_available)."""
@@ -63,8 +68,7 @@ class CudaTransforms:
                 if self.device_name == "auto":
                     self.unavailable = True
                     return
-                raise InputError("--device cuda was asked for but no CUDA device is available",
-                                 fix="use --device cpu (the same bits, computed on the CPU)")
+                raise no_cuda()
             device = torch.device("cuda" if self.device_name == "auto" else self.device_name)
             with torch.cuda.device(device):
                 for t in transforms:  # a tiny input: creates the context, loads/compiles the kernel

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from ckpttool.arch.deepseek import DeepseekConfig, hf_tensor_shapes, is_fp8_in_published_checkpoint, layer_index

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from ckpttool.accel import CudaTransforms, gpu_present
+from ckpttool.accel import CudaTransforms, gpu_present, no_cuda
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.safetensors import array_from_bytes, itemsize, read_bytes
@@ -136,8 +136,7 @@ def resolve_device(device: str) -> str:
         few_cores = (os.cpu_count() or 1) < AUTO_CPU_MIN_CORES
         return "auto" if few_cores and gpu_present() else "cpu"
     if device.startswith("cuda") and not gpu_present():
-        raise InputError("--device cuda was asked for but no CUDA device is available",
-                         fix="use --device cpu (the same bits, computed on the CPU)")
+        raise no_cuda()
     return device
 
 

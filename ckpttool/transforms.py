@@ -38,10 +38,6 @@ class Transform:
     """a smallest valid (source, scale) on a device: warms a kernel up before the real data arrives"""
 
 
-def _fp8_cpu(x: np.ndarray, scale: np.ndarray, dtype: str, out: str) -> np.ndarray:
-    return fp8_cpu.dequant(x, scale, dtype, out)
-
-
 def _fp8_cuda(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     from ckpttool.kernels.fp8 import dequant_fp8_block
 
@@ -83,7 +79,7 @@ TRANSFORMS: dict[str, Transform] = {
     "fp8_block": Transform(
         name="fp8_block", row_align=BLOCK,
         scale_rows=lambda r0, r1: (r0 // BLOCK, -(-r1 // BLOCK)),
-        cpu=_fp8_cpu, cuda=_fp8_cuda,
+        cpu=fp8_cpu.dequant, cuda=_fp8_cuda,
         out_per_source_row=lambda shape: _prod(shape[1:]),
         example=_fp8_example,
     ),

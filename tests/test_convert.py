@@ -118,6 +118,7 @@ def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype
     fp32(code) * scale, one cast. Random codes cover subnormals and the largest values."""
     import numpy as np
 
+    from ckpttool.io.safetensors import dtype_code
     from ckpttool.kernels import fp8_cpu
 
     g = torch.Generator().manual_seed(1)
@@ -128,7 +129,7 @@ def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype
         scale = torch.rand(3, 3, generator=g) * 4 + 2.0 ** -20
         exact = codes.view(torch_fmt).float() * scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260]
         for out, carrier in ((torch.bfloat16, torch.int16), (torch.float16, torch.int16), (torch.float32, torch.int32)):
-            ours = fp8_cpu.dequant(codes.numpy(), scale.numpy(), fmt, fp8_cpu.OUT_CODES[str(out)[6:]])
+            ours = fp8_cpu.dequant(codes.numpy(), scale.numpy(), fmt, dtype_code(out))
             theirs = exact.to(out).view(carrier).numpy()
             assert np.array_equal(ours.view(theirs.dtype), theirs), (fmt, out)
 

@@ -121,7 +121,8 @@ def test_unsupported_out_dtype_is_an_error():
 # -- Triton: same bits as the CPU path ---------------------------------------------------------------
 _TRITON_CHECK = """
 import torch
-from ckpttool.kernels import mxfp4, mxfp4_cpu
+from ckpttool.io.safetensors import dtype_code
+from ckpttool.kernels import mxfp4
 from ckpttool.demo_gpt_oss import random_mxfp4
 device = "cuda" if torch.cuda.is_available() else "cpu"
 blocks = torch.arange(256).to(torch.uint8).reshape(1, 1, 16, 16).expand(3, 256, 16, 16).contiguous()
@@ -134,7 +135,7 @@ for b, s in ((blocks, scales), (b2, s2), (b2[:, :0], s2[:, :0])):
             dev = mxfp4.dequant_mxfp4(b.cuda(), s.cuda(), dtype).cpu()
         else:  # TRITON_INTERPRET=1: the same kernel, run by Triton's interpreter on CPU tensors
             from ckpttool.kernels import mxfp4_triton
-            words = mxfp4_triton.gather_pairs(b, s, mxfp4.device_pair_table(mxfp4.OUT_CODES[str(dtype)[6:]], torch.device("cpu")))
+            words = mxfp4_triton.gather_pairs(b, s, mxfp4.device_pair_table(dtype_code(dtype), torch.device("cpu")))
             dev = words.view(dtype).reshape(cpu.shape)
         assert dev.shape == cpu.shape and dev.dtype == dtype
         assert torch.equal(dev.view(torch.uint8), cpu.view(torch.uint8)), (dtype, b.shape)

@@ -67,6 +67,12 @@ def torch_dtype(dtype: str):
     return getattr(torch, _DTYPE_TABLE[dtype][1], torch.uint8)
 
 
+def dtype_code(torch_dtype_) -> str | None:
+    """The safetensors code of a torch dtype (the inverse of torch_dtype), or None."""
+    name = str(torch_dtype_).removeprefix("torch.")
+    return next((code for code, (_, n) in _DTYPE_TABLE.items() if n == name), None)
+
+
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
     """One tensor of one file: absolute byte range [start, end) in that file."""

@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ckpttool.errors import InputError
-from ckpttool.kernels.fp8_cpu import BLOCK, OUT_CODES, NaNCodes, dequant as _dequant_cpu
+from ckpttool.io.safetensors import dtype_code, torch_dtype
+from ckpttool.kernels.fp8_cpu import BLOCK, OUT_DTYPES, NaNCodes, dequant as _dequant_cpu
 
 if TYPE_CHECKING:
     import torch
 
 FP8_MAX = 448.0
-FP8_CODES = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 
 
 def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, int]:
@@ -44,8 +45,8 @@ def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torc
 
     out_dtype = out_dtype or torch.bfloat16
     check_scale(weight.shape, scale.shape, tensor="<weight>", block=block)
-    fmt = FP8_CODES.get(str(weight.dtype).removeprefix("torch."))
-    if fmt is None:
+    fmt = dtype_code(weight.dtype)
+    if fmt not in FP8_DTYPES:
         raise InputError(f"expected an FP8 weight, got {weight.dtype}")
     scale = scale.to(torch.float32)
     if weight.is_cuda:
@@ -55,9 +56,9 @@ def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torc
         if y.is_floating_point() and bool(torch.isnan(y).any()):  # as the CPU kernel does
             raise NaNCodes()
         return y
-    out = OUT_CODES.get(str(out_dtype).removeprefix("torch."))
-    if out is None:
-        raise InputError(f"FP8 dequant writes one of {list(OUT_CODES)}, not {out_dtype}")
+    out = dtype_code(out_dtype)
+    if out not in OUT_DTYPES:
+        raise InputError(f"FP8 dequant writes one of {[str(torch_dtype(c)) for c in OUT_DTYPES]}, not {out_dtype}")
     y = _dequant_cpu(weight.contiguous().view(torch.uint8).numpy(), scale.contiguous().numpy(), fmt, out,
                      block=block)
     return torch.from_numpy(y).view(out_dtype)

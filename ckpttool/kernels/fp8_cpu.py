@@ -19,10 +19,11 @@ import math
 import numpy as np
 
 from ckpttool.errors import InputError
+from ckpttool.io.safetensors import CARRIERS
 
 BLOCK = 128
-OUT_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-"""torch dtype name -> the output dtype codes the dequant kernels write"""
+OUT_DTYPES = ("BF16", "F16", "F32")
+"""the output dtype codes the dequant kernels write (in io.safetensors.CARRIERS: bf16 as uint16)"""
 _STEP_ELEMENTS = 1 << 20
 """elements per step (128 rows of 7168): fewer, larger numpy calls. Every call takes the GIL back,
 and with 16-row steps (448 KiB temporaries, in L2) 8 threads ran at 613 Melem/s on the 16-core
@@ -86,11 +87,12 @@ def round_to_bf16(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
 
 
 def dequant(codes: np.ndarray, scale: np.ndarray, fmt: str, out_dtype: str, *, block: int = BLOCK) -> np.ndarray:
-    """uint8 codes [M, N] and float32 scale [ceil(M/b), ceil(N/b)] -> [M, N] in out_dtype ("BF16"
-    as uint16 bits, "F16" or "F32"). The scale's shape and values are the caller's to check."""
+    """uint8 codes [M, N] and float32 scale [ceil(M/b), ceil(N/b)] -> [M, N] in out_dtype (one of
+    OUT_DTYPES). The scale's shape and values are the caller's to check."""
     rows, cols = codes.shape
-    out_np = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[out_dtype]
-    out = np.empty((rows, cols), dtype=out_np)
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"FP8 dequant writes one of {OUT_DTYPES}, not {out_dtype!r}")
+    out = np.empty((rows, cols), dtype=CARRIERS[out_dtype])
     pairs = cols % 2 == 0 and codes.strides[1] == 1
     table = _pair_values(fmt) if pairs else fp8_values(fmt)
     sub = max(1, min(rows, max(16, _STEP_ELEMENTS // max(cols, 1))))

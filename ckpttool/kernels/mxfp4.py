@@ -31,10 +31,11 @@ import functools
 from typing import TYPE_CHECKING
 
 from ckpttool.errors import InputError
+from ckpttool.io.safetensors import dtype_code, torch_dtype
 from ckpttool.kernels.mxfp4_cpu import (  # noqa: F401 - the format's constants, re-exported
     BYTES_PER_BLOCK,
     E2M1_VALUES,
-    OUT_CODES,
+    OUT_DTYPES,
     SCALE_BIAS,
     VALUES_PER_BLOCK,
     gather_pairs,
@@ -81,9 +82,10 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out_dtype: torch.d
         scales = scales.view(torch.uint8)
     if scales.dtype != torch.uint8:
         raise InputError(f"MXFP4 scales must be uint8 e8m0 exponents, got {scales.dtype}", tensor=tensor)
-    out = OUT_CODES.get(str(out_dtype).removeprefix("torch."))
-    if out is None:
-        raise InputError(f"MXFP4 dequant writes one of {list(OUT_CODES)}, not {out_dtype}", tensor=tensor)
+    out = dtype_code(out_dtype)
+    if out not in OUT_DTYPES:
+        raise InputError(f"MXFP4 dequant writes one of {[str(torch_dtype(c)) for c in OUT_DTYPES]}, not {out_dtype}",
+                         tensor=tensor)
     if blocks.device != scales.device:
         raise InputError(f"blocks on {blocks.device} but scales on {scales.device}", tensor=tensor)
     if blocks.numel() == 0:  # (numpy gives an empty array zero strides, which torch cannot view)

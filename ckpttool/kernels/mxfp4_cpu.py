@@ -9,7 +9,8 @@ import math
 
 import numpy as np
 
-from ckpttool.kernels.fp8_cpu import OUT_CODES, round_to_bf16  # noqa: F401 - OUT_CODES re-exported
+from ckpttool.io.safetensors import CARRIERS
+from ckpttool.kernels.fp8_cpu import OUT_DTYPES, round_to_bf16  # noqa: F401 - OUT_DTYPES re-exported
 
 VALUES_PER_BLOCK = 32
 BYTES_PER_BLOCK = 16
@@ -70,6 +71,5 @@ def gather_pairs(blocks: np.ndarray, scales: np.ndarray, out: str) -> np.ndarray
 def dequant(blocks: np.ndarray, scales: np.ndarray, out: str) -> np.ndarray:
     """[..., G, 16] blocks, [..., G] scales -> [..., G * 32] values in the output's carrier
     (io.safetensors.CARRIERS: bf16 as uint16)."""
-    carrier = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[out]
     *prefix, groups, _ = blocks.shape
-    return gather_pairs(blocks, scales, out).view(carrier).reshape(*prefix, groups * VALUES_PER_BLOCK)
+    return gather_pairs(blocks, scales, out).view(CARRIERS[out]).reshape(*prefix, groups * VALUES_PER_BLOCK)
