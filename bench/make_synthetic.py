@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ckpttool.arch.deepseek import DeepseekConfig, hf_tensor_shapes, is_fp8_in_published_checkpoint
-from ckpttool.demo import FP8_QUANTIZATION_CONFIG, write_tokenizer
+from ckpttool.families.deepseek.spec import DeepseekConfig, hf_tensor_shapes, is_fp8_in_published_checkpoint
+from ckpttool.families.demo_files import write_tokenizer
+from ckpttool.formats import FP8_QUANTIZATION_CONFIG
 
 BLOCK = 128
 CHUNK = 32 << 20  # bytes written per write() call; also what one pool slice is

@@ -8,7 +8,7 @@
       - shard: {mp: 8}
     execution: {max_memory: 8GiB}
 
-The commands `dequant`, `shard` and `convert` build the same Recipe in code.
+The commands `dequant`, `shard`, `convert`, `plan` and `merge` build the same Recipe in code (`preset`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ from typing import Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ckpttool import defaults
 from ckpttool.errors import RecipeError
-from ckpttool.pipeline import Spec
+from ckpttool.families.table import MODEL_TYPES
+from ckpttool.plan.build import Spec
+from ckpttool.plan.merge import MergeSpec
 
 DTYPE_CODES = {"bf16": "BF16", "bfloat16": "BF16", "fp16": "F16", "float16": "F16", "fp32": "F32", "float32": "F32"}
 
@@ -50,6 +53,19 @@ class ShardStage(_Strict):
     mp: int = Field(ge=1, le=1024)
 
 
+class MergeStage(_Strict):
+    """model{i}-mp{N} shards -> an HF checkpoint (the inverse of shard); takes no other stage."""
+
+    max_shard_size: str = defaults.MAX_SHARD_SIZE
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        if defaults.parse_size(v) < 1:
+            raise ValueError("max_shard_size must be positive")
+        return v
+
+
 class VerifyStage(_Strict):
     prompt: Optional[str] = None
     prompt_ids: Optional[list[int]] = None
@@ -67,36 +83,38 @@ class Stage(_Strict):
     dequant: Optional[DequantStage] = None
     quantize: Optional[QuantizeStage] = None
     shard: Optional[ShardStage] = None
+    merge: Optional[MergeStage] = None
     verify: Optional[VerifyStage] = None
 
     @model_validator(mode="before")
     @classmethod
     def _one_key(cls, value):
         if not isinstance(value, dict) or len(value) != 1:
-            raise ValueError("each stage is a mapping with exactly one key: download, dequant, quantize, shard or verify")
+            raise ValueError(f"each stage is a mapping with exactly one key: {', '.join(STAGE_KINDS)}")
         key, body = next(iter(value.items()))
         return {key: {} if body is None else body}
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("download", "dequant", "quantize", "shard", "verify") if getattr(self, k) is not None)
+        return next(k for k in STAGE_KINDS if getattr(self, k) is not None)
 
     @property
     def body(self):
         return getattr(self, self.kind)
 
 
+STAGE_KINDS = tuple(Stage.model_fields)
+
+
 class Execution(_Strict):
-    max_memory: str = "4GiB"
-    workers: int = Field(4, ge=1, le=256)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_memory: str = defaults.MAX_MEMORY
+    workers: Optional[int] = Field(None, ge=1, le=256)  # None: defaults.workers(), one per core up to 16
+    device: Literal["auto", "cpu", "cuda"] = defaults.DEVICE
 
     @field_validator("max_memory")
     @classmethod
     def _size(cls, v: str) -> str:
-        from ckpttool.runner import parse_size
-
-        if parse_size(v) < (16 << 20):
+        if defaults.parse_size(v) < defaults.MIN_MAX_MEMORY:
             raise ValueError("max_memory must be at least 16MiB")
         return v
 
@@ -104,10 +122,18 @@ class Execution(_Strict):
 class Recipe(_Strict):
     name: str
     description: str = ""
-    arch: Literal["auto", "deepseek_v2", "deepseek_v3", "llama", "mistral", "qwen2", "qwen3", "gpt_oss"] = "auto"
+    arch: str = "auto"
+    """auto, or a config.json model_type of families/table.py that the input must have"""
     mtp: Literal["drop", "keep"] = "drop"
     stages: list[Stage] = Field(min_length=1)
     execution: Execution = Execution()
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, v: str) -> str:
+        if v != "auto" and v not in MODEL_TYPES:
+            raise ValueError(f"unknown arch {v!r}; use auto or one of {', '.join(MODEL_TYPES)}")
+        return v
 
     @model_validator(mode="after")
     def _order(self) -> "Recipe":
@@ -122,7 +148,9 @@ class Recipe(_Strict):
         if "verify" in kinds and "shard" not in kinds:
             raise ValueError("verify loads model-parallel shards: add a shard stage before it")
         if kinds == ["download"]:
-            raise ValueError("a recipe needs a conversion stage (dequant, quantize or shard) after download")
+            raise ValueError("a recipe needs a conversion stage (dequant, quantize, shard or merge) after download")
+        if "merge" in kinds and set(kinds) - {"download", "merge"}:
+            raise ValueError("merge turns mp shards back into an HF checkpoint: it takes no other stage")
         if "quantize" in kinds and "shard" in kinds and kinds.index("quantize") > kinds.index("shard"):
             raise ValueError("the quantize stage must come before shard")
         return self
@@ -135,6 +163,37 @@ class Recipe(_Strict):
         return Spec(dequant=dq is not None, out_dtype=DTYPE_CODES[dq.dtype] if dq else "BF16",
                     mp=sh.mp if sh else None, keep_mtp=self.mtp == "keep", arch=self.arch,
                     quantize=qz.format if qz else None, group_size=qz.group_size if qz else 128)
+
+    def job(self) -> Spec | MergeSpec:
+        """What the runner plans and executes."""
+        merge = self.stage("merge")
+        if merge is not None:
+            return MergeSpec(max_shard_bytes=defaults.parse_size(merge.max_shard_size))
+        return self.spec()
+
+
+def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp: bool = False,
+           merge_max_shard_size: str | None = None, verify_device: str | None = None,
+           max_memory: str | None = None, workers: int | None = None, device: str = defaults.DEVICE) -> Recipe:
+    """The recipe a command's flags stand for (`ckpttool convert --mp 8` is a dequant + shard recipe)."""
+    stages: list[dict] = []
+    if merge_max_shard_size is not None:
+        stages.append({"merge": {"max_shard_size": merge_max_shard_size}})
+    if dequant:
+        stages.append({"dequant": {"dtype": "bf16"}})
+    if mp is not None:
+        stages.append({"shard": {"mp": mp}})
+    if not stages:
+        stages.append({"dequant": {"dtype": "bf16"}})
+    if verify_device is not None:
+        stages.append({"verify": {"device": verify_device}})
+    execution: dict = {"device": device}
+    if workers is not None:
+        execution["workers"] = workers
+    if max_memory:
+        execution["max_memory"] = max_memory
+    return validate_recipe({"name": name, "mtp": "keep" if keep_mtp else "drop", "stages": stages,
+                            "execution": execution}, f"ckpttool {name}")
 
 
 def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:

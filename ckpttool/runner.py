@@ -1,35 +1,68 @@
-"""One conversion end to end: check DST, plan, preflight, execute, publish. Used by every command."""
+"""The one entry point of every conversion command: a Request in, a report out.
+
+    SRC or repo id --(hub.py: download)--> plan/ --> execute/ --> publish/ --(verify/)--> report
+
+`run(request)` owns the orchestration: the dry run (the plan and its disk and memory estimate), hub
+inputs, the conversion itself (under torchrun each rank writes its share of the files and rank 0
+publishes) and the verify stage. The CLI only turns flags into a Request and prints the report.
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpttool.distributed import Group, assign_files, world
-from ckpttool.errors import CkptError, OutputError
-from ckpttool.execute import CHUNK_BYTES, execute
-from ckpttool.io.checkpoint import Checkpoint
-from ckpttool.io.writer import PARTIAL_DIR, Staging, check_destination, check_free_space, read_manifest
-from ckpttool.pipeline import Spec, make_plan
-from ckpttool.plan import Plan
+from ckpttool import defaults
+from ckpttool.errors import CkptError, OutputError, RecipeError
+from ckpttool.execute.distributed import Group, assign_files, world
+from ckpttool.execute.executor import execute
+from ckpttool.execute.staging import Staging
+from ckpttool.execute.tasks import make_tasks
+from ckpttool.io.layout import PARTIAL_DIR
+from ckpttool.plan.build import Spec
+from ckpttool.plan.merge import MergeSpec
+from ckpttool.plan.types import Plan
 from ckpttool.progress import Progress
+from ckpttool.publish.destination import SPACE_MARGIN, already_complete, check_destination, check_free_space
+from ckpttool.publish.publish import publish
+from ckpttool.recipe import Execution, Recipe
 from ckpttool.timing import Timings
 
-
-SPACE_MARGIN = 64 << 20  # journal, plan.json, index, config and manifest, with room to spare
+Job = Spec | MergeSpec
 
 
 @dataclass(kw_only=True)
 class ExecOptions:
-    max_memory: int = 4 << 30
-    workers: int = 4
-    device: str = "auto"
+    max_memory: int = defaults.parse_size(defaults.MAX_MEMORY)
+    workers: int = field(default_factory=defaults.workers)
+    device: str = defaults.DEVICE
     overwrite: bool = False
     resume: bool = False
     quiet: bool = False
-    chunk_bytes: int = CHUNK_BYTES  # output bytes per streamed run of rows
+    chunk_bytes: int = defaults.CHUNK_BYTES  # output bytes per streamed run of rows
     wait_for_cuda: bool = False  # else the first chunks run on the CPU while the GPU starts (same bits)
+
+    @classmethod
+    def from_recipe(cls, ex: Execution, **flags) -> "ExecOptions":
+        return cls(max_memory=defaults.parse_size(ex.max_memory), workers=ex.workers or defaults.workers(),
+                   device=ex.device, **flags)
+
+
+@dataclass(kw_only=True)
+class Request:
+    """What a command asks for: a recipe (a command's flags are a preset recipe), input and output."""
+
+    recipe: Recipe
+    src: str | Path | None  # a directory (or, with hub_input, a hub repo id)
+    dst: Path | None
+    hub_input: bool = False  # `run -i`: a src that is not a local directory is a hub repo id
+    overwrite: bool = False
+    resume: bool = False
+    dry_run: bool = False
+    quiet: bool = False  # no progress output (a report is still returned)
 
 
 @dataclass
@@ -59,36 +92,120 @@ class RunResult:
         }
 
 
-def plan_only(src: Path, spec: Spec) -> Plan:
-    with Checkpoint(src) as ckpt:
-        return make_plan(ckpt, spec)
+@dataclass
+class RunReport:
+    """A finished run: the conversion's result and, with a verify stage, verify's report."""
+
+    recipe: str
+    result: RunResult
+    verify: object | None = None  # verify.run.VerifyReport
+
+    @property
+    def ok(self) -> bool:
+        return self.verify is None or bool(self.verify.ok)
+
+    def to_json(self) -> dict:
+        report = {"ok": self.ok, "recipe": self.recipe, **self.result.summary()}
+        if self.verify is not None:
+            report["verify"] = self.verify.to_json()
+        return report
 
 
-def convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions) -> RunResult:
-    """Plan and execute one conversion. Under torchrun each rank writes its share of the files;
-    rank 0 sets up the staging directory and publishes, and the result is byte-identical."""
+def run(request: Request) -> RunReport | dict:
+    """Do what the request asks: with dry_run the plan report (a dict), else convert, publish and
+    (with a verify stage) verify, returning the run's report."""
+    recipe = request.recipe
+    src = resolve_input(recipe, request.src, quiet=request.quiet) if request.hub_input else Path(request.src)
+    job = recipe.job()
+    if request.dry_run:
+        return plan_report(src, job, recipe, request.dst)
+    if request.dst is None:
+        raise RecipeError("no output given", fix="pass --output DST")
+    opts = ExecOptions.from_recipe(recipe.execution, overwrite=request.overwrite, resume=request.resume,
+                                   quiet=request.quiet)
+    report = RunReport(recipe.name, convert(src, request.dst, job, opts))
+    verify = recipe.stage("verify")
+    if verify is not None:
+        from ckpttool.verify.run import run_verify  # torch loads only when a verify stage runs
+
+        report.verify = run_verify(request.dst, reference=verify.reference, prompt=verify.prompt,
+                                   prompt_ids=verify.prompt_ids, max_new_tokens=verify.max_new_tokens,
+                                   device=verify.device, dtype=verify.dtype, tolerance=verify.tolerance)
+    return report
+
+
+def resolve_input(recipe: Recipe, src: str | Path | None, *, quiet: bool) -> Path:
+    """A local directory as it is; anything else is a hub repo id, downloaded (with the recipe's
+    download options) into the HF cache."""
+    if src is None:
+        raise RecipeError("no input given", fix="pass --input SRC (a directory or a hub repo id)")
+    local = Path(src).expanduser()
+    if local.is_dir():
+        return local
+    from ckpttool import hub  # huggingface_hub loads only for hub inputs
+
+    dl = recipe.stage("download")
+    kwargs = dl.model_dump() if dl is not None else {}
+    return Path(hub.download_checkpoint(str(src), quiet=quiet, **kwargs).path)
+
+
+def plan_only(src: Path, job: Job) -> Plan:
+    with job.open(src) as inputs:
+        return job.plan(inputs)
+
+
+def plan_report(src: Path, job: Job, recipe: Recipe, dst: Path | None) -> dict:
+    """The plan, what it will write, and the disk and peak memory it needs: from headers alone."""
+    budget = defaults.parse_size(recipe.execution.max_memory)
+    workers = recipe.execution.workers or defaults.workers()
+    with job.open(src) as inputs:
+        plan = job.plan(inputs)
+        task_mem = sorted((t.memory() for t in make_tasks(plan, inputs, set(), set())), reverse=True)
+    peak = min(budget, sum(task_mem[:workers])) if task_mem else 0
+    peak = max(peak, task_mem[0] if task_mem else 0)
+    aux = len(json.dumps(plan.index or {})) + len(json.dumps(plan.config or {}))
+    aux += sum((Path(plan.src) / n).stat().st_size for n in plan.copies)
+    free = None
+    if dst is not None:
+        probe = Path(dst)
+        while not probe.exists():
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
+    return {
+        "recipe": recipe.name, "src": plan.src, "format": plan.format, "plan_hash": plan.hash,
+        "files": [{"name": f.name, "tensors": len(f.tensors), "bytes": f.size} for f in plan.files],
+        "tensors": plan.tensor_count, "bytes_to_write": plan.bytes_to_write,
+        "disk_needed": plan.bytes_to_write + aux, "disk_free": free,
+        "max_memory": budget, "peak_memory_expected": peak, "largest_task_bytes": task_mem[0] if task_mem else 0,
+        "copies": plan.copies, "notes": plan.notes,
+    }
+
+
+def convert(src: Path, dst: Path, job: Job, opts: ExecOptions) -> RunResult:
+    """Plan and execute one job (a conversion or a merge). Under torchrun each rank writes its share
+    of the files; rank 0 sets up the staging directory and publishes, and the result is byte-identical."""
     src, dst = Path(src), Path(dst)
     rank, world_size = world()
     group = Group(rank, world_size)
     try:
-        return _convert(src, dst, spec, opts, group)
+        return _convert(src, dst, job, opts, group)
     finally:
         group.close()
 
 
-def _convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions, group: Group) -> RunResult:
+def _convert(src: Path, dst: Path, job: Job, opts: ExecOptions, group: Group) -> RunResult:
     started = time.monotonic()
     clock = Timings()
-    with Checkpoint(src) as ckpt, clock.phase("total"):
+    with job.open(src) as inputs, clock.phase("total"):
         staging, setup_error, complete = None, None, False
         plan = None
         try:
             if group.rank == 0:
                 check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)
             with clock.phase("plan"):
-                plan = make_plan(ckpt, spec)
+                plan = job.plan(inputs)
             if group.rank == 0:
-                complete = _already_complete(dst, plan, opts)
+                complete = already_complete(dst, plan.hash, opts.resume)
                 if not complete and not opts.resume:  # before anything is created; a resume checks what is left
                     check_free_space(dst, sum(f.size for f in plan.files) + SPACE_MARGIN)
                 if not complete:
@@ -110,9 +227,9 @@ def _convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions, group: Group) 
                        for p in f.tensors if (f.name, p.tensor.name) not in staging.done)
             if group.rank == 0 and opts.resume:
                 check_free_space(dst, todo + SPACE_MARGIN)
-            label = "converting" if group.world_size == 1 else f"rank {group.rank}/{group.world_size}"
+            label = job.label if group.world_size == 1 else f"rank {group.rank}/{group.world_size}"
             with Progress(todo, label, quiet=opts.quiet) as progress, clock.phase("execute"):
-                execute(plan, ckpt, staging, max_memory=opts.max_memory, workers=opts.workers,
+                execute(plan, inputs, staging, max_memory=opts.max_memory, workers=opts.workers,
                         device=opts.device, progress=progress.advance, files=mine, chunk_bytes=opts.chunk_bytes,
                         wait_for_cuda=opts.wait_for_cuda)
             with clock.phase("hash_wait"):
@@ -127,34 +244,8 @@ def _convert(src: Path, dst: Path, spec: Spec, opts: ExecOptions, group: Group) 
                                   fix="fix the failing rank's error, then rerun the same command with --resume")
             if group.rank == 0:
                 with clock.phase("publish"):
-                    staging.publish(src, overwrite=opts.overwrite)
+                    publish(staging, src, overwrite=opts.overwrite)
         finally:
             staging.close()
         group.all_ok(True)  # nobody returns before the output is published
     return RunResult(plan, dst, time.monotonic() - started, todo, resumed_from=resumed, timings=clock)
-
-
-def _already_complete(dst: Path, plan, opts: ExecOptions) -> bool:
-    """--resume of a run that already published: nothing to do, if it is the same plan."""
-    if not opts.resume or (dst / PARTIAL_DIR).exists():
-        return False
-    manifest = read_manifest(dst)
-    if manifest is None or manifest.get("plan_hash") != plan.hash:
-        raise OutputError("--resume: the output here was produced by a different plan", file=dst,
-                          fix="rerun with the original arguments, or --overwrite to start over")
-    return True
-
-
-def parse_size(text: str | int) -> int:
-    """'4GiB', '512MB', '8G', or a plain byte count."""
-    if isinstance(text, int):
-        return text
-    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-             "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    if unit not in units or not num:
-        raise ValueError(f"cannot read {text!r} as a size; use e.g. 4GiB, 512MiB or a byte count")
-    return int(float(num) * units[unit])
-

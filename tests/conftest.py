@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ckpttool.demo import build_checkpoint
+from ckpttool.families.deepseek.demo import build_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 # the reference scripts sit in ../shared beside the checkout (CI, developers); machines that only get
@@ -59,7 +59,7 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gpt_oss(tmp_path_factory) -> Path:
     """gpt-oss as published: MXFP4 expert blocks/scales (u8) beside BF16 attention, router and norms."""
-    from ckpttool.demo_gpt_oss import build_gpt_oss_checkpoint
+    from ckpttool.families.gpt_oss.demo import build_gpt_oss_checkpoint
 
     return build_gpt_oss_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-gpt-oss", mxfp4=True, seed=7)
 

@@ -118,7 +118,7 @@ def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype
     fp32(code) * scale, one cast. Random codes cover subnormals and the largest values."""
     import numpy as np
 
-    from ckpttool.io.safetensors import dtype_code
+    from ckpttool.dtypes import dtype_code
     from ckpttool.kernels import fp8_cpu
 
     g = torch.Generator().manual_seed(1)
@@ -155,7 +155,7 @@ def test_nan_codes_are_refused_naming_file_and_tensor(tiny_v3_no_mtp, tmp_path):
     assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("*.safetensors"))
 
     from ckpttool.errors import InputError
-    from ckpttool.pipeline import Spec
+    from ckpttool.plan.build import Spec
     from ckpttool.runner import ExecOptions, convert
 
     with pytest.raises(InputError, match=r"first in row 130\)"):  # row 2 of the chunk that starts at 128
@@ -201,7 +201,7 @@ def test_triton_dequant_bits_equal_cpu_and_reference_kernel():
 @pytest.mark.parametrize("spec", [dict(dequant=True, mp=2), dict(dequant=False, mp=2), dict(dequant=True)])
 def test_tiny_chunks_stream_to_identical_bytes(tiny_v3, tmp_path, spec):
     """Row-chunked streaming (1 KB chunks: single rows, 128-row FP8 blocks) changes no byte."""
-    from ckpttool.pipeline import Spec
+    from ckpttool.plan.build import Spec
     from ckpttool.runner import ExecOptions, convert
 
     convert(tiny_v3, tmp_path / "big", Spec(**spec), ExecOptions(quiet=True))
@@ -230,8 +230,8 @@ def test_cuda_convert_equals_cpu_convert_bytes(tiny_v3, tmp_path):
 def test_cuda_streams_and_pinned_buffers_change_no_byte(tiny_v3, tmp_path, monkeypatch):
     """Every chunk on the GPU (1 KB chunks: hundreds of them through 3 workers' streams and reused
     pinned buffers), then the default where early chunks run on the CPU while CUDA starts."""
-    from ckpttool import execute
-    from ckpttool.pipeline import Spec
+    from ckpttool.execute import device as execute
+    from ckpttool.plan.build import Spec
     from ckpttool.runner import ExecOptions, convert
 
     spec = Spec(dequant=True, mp=2)
@@ -281,11 +281,11 @@ def test_json_report_says_where_the_time_went(tiny_v3, tmp_path):
 def test_cuda_that_cannot_start_is_an_error_when_asked_for_and_the_cpu_under_auto():
     import numpy as np
 
-    from ckpttool.accel import CudaTransforms
+    from ckpttool.execute.cuda import CudaTransforms
     from ckpttool.errors import InputError
-    from ckpttool.transforms import TRANSFORMS
+    from ckpttool.formats import FP8_BLOCK
 
-    fp8 = TRANSFORMS["fp8_block"]
+    fp8 = FP8_BLOCK
     gpu = CudaTransforms("cuda", [fp8])
     gpu.wait()
     with pytest.raises(InputError, match="no CUDA device") as err:
@@ -301,7 +301,7 @@ def test_cuda_that_cannot_start_is_an_error_when_asked_for_and_the_cpu_under_aut
 
 
 def test_auto_is_the_cpu_on_many_cores_or_without_a_gpu(monkeypatch):
-    from ckpttool import execute
+    from ckpttool.execute import device as execute
 
     for cores, gpu, want in ((16, True, "cpu"), (4, True, "auto"), (4, False, "cpu"), (64, False, "cpu")):
         monkeypatch.setattr(execute.os, "cpu_count", lambda: cores)

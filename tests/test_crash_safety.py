@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from ckpttool.io.writer import JOURNAL, MANIFEST, PARTIAL_DIR
+from ckpttool.execute.staging import JOURNAL
+from ckpttool.io.layout import MANIFEST, PARTIAL_DIR
 from conftest import run_cli, run_cli_process
 
 CONVERT = ("--mp", "2", "--dtype", "bf16", "--quiet", "--workers", "2")

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from conftest import load_dir, run_cli
 from dense_models import NEW_TOKENS, PROMPT, TINY, build_hf, config_of, greedy_oracle
 
-from ckpttool.verify import run_verify
+from ckpttool.verify.run import run_verify
 
 pytest.importorskip("transformers")
 
@@ -87,7 +87,7 @@ def test_mp_that_cuts_heads_is_refused(dense_hf, tmp_path):
 
 
 def test_head_split_ranges():
-    from ckpttool.arch.base import HeadSplit
+    from ckpttool.families.base import HeadSplit
 
     kv = HeadSplit(dim=0, count="num_key_value_heads", replicate=True)
     assert kv.ranges(32, 2, 2) == [(0, 16), (16, 16)]

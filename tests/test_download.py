@@ -24,10 +24,10 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from ckpttool.demo import build_checkpoint
+from ckpttool.families.deepseek.demo import build_checkpoint
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
-from ckpttool.io.hub import resolve_input
+from ckpttool.hub import resolve_input
 
 try:
     from hub_server import HubServer, load_repo  # pytest's default rootdir-less import puts tests/ on sys.path
@@ -44,7 +44,7 @@ REPLY_TIMEOUT_S = 60
 WORKER = r"""
 import json, sys, traceback
 from ckpttool.errors import CkptError
-from ckpttool.io.hub import download_checkpoint
+from ckpttool.hub import download_checkpoint
 for line in sys.stdin:
     try:
         reply = {"ok": download_checkpoint(**json.loads(line)).to_json()}

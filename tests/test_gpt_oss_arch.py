@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from ckpttool.arch.gpt_oss import (
+from ckpttool.families.gpt_oss.spec import (
     EXPERTS, KEY_TABLE, GptOssConfig, bf16_config, bf16_expert_shape, bf16_name, check_mp, expert_range,
     hf_tensor_shapes, mxfp4_source, shard_for_rank, to_hf, to_native,
 )
-from ckpttool.demo_gpt_oss import CONFIG, MXFP4_QUANTIZATION_CONFIG
+from ckpttool.families.gpt_oss.demo import CONFIG, MXFP4_QUANTIZATION_CONFIG
 from ckpttool.errors import InputError, PlanError
-from ckpttool.model.gpt_oss import Transformer
+from ckpttool.families.gpt_oss.model import Transformer
 from ckpttool.model.parallel import ParallelContext
 
 CFG = GptOssConfig.from_dict({**CONFIG, "quantization_config": MXFP4_QUANTIZATION_CONFIG})

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpttool.arch.gpt_oss import GptOssConfig, shard_for_rank
-from ckpttool.demo_gpt_oss import build_gpt_oss_checkpoint
-from ckpttool.model.gpt_oss import Transformer
+from ckpttool.families.gpt_oss.spec import GptOssConfig, shard_for_rank
+from ckpttool.families.gpt_oss.demo import build_gpt_oss_checkpoint
+from ckpttool.families.gpt_oss.model import Transformer
 from ckpttool.model.parallel import ParallelContext
 
 PROMPT = [0, 5, 9, 11, 3, 20, 7, 8, 30, 4]  # longer than the sliding window (4)

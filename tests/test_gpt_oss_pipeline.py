@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpttool.arch.gpt_oss import GptOssConfig, expert_range
-from ckpttool.verify import run_verify
+from ckpttool.families.gpt_oss.spec import GptOssConfig, expert_range
+from ckpttool.verify.run import run_verify
 from conftest import load_dir, run_cli
 
 PROMPT = [0, 5, 9, 11, 3, 20, 7, 8, 30, 4]  # longer than the tiny sliding window (4)
@@ -200,7 +200,7 @@ def test_mp_that_cuts_a_head_is_refused_naming_the_field(tiny_gpt_oss, tmp_path,
 @pytest.mark.gpu
 def test_cuda_dequant_through_streams_equals_cpu_bytes(tiny_gpt_oss, tmp_path):
     """MXFP4 experts through the per-worker streams and pinned buffers, every chunk on the GPU."""
-    from ckpttool.pipeline import Spec
+    from ckpttool.plan.build import Spec
     from ckpttool.runner import ExecOptions, convert
 
     spec = Spec(dequant=True)

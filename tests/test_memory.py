@@ -6,12 +6,12 @@ import json
 import subprocess
 import sys
 
-from ckpttool.demo import build_checkpoint
+from ckpttool.families.deepseek.demo import build_checkpoint
 
 _MEASURE = """
 import json, re, sys
 from pathlib import Path
-from ckpttool.pipeline import Spec
+from ckpttool.plan.build import Spec
 from ckpttool.runner import ExecOptions, convert
 src, dst = map(Path, sys.argv[1:3])
 r = convert(src, dst, Spec(dequant=True, mp=2), ExecOptions(quiet=True, max_memory=64 << 20, workers=2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ckpttool.demo import build_checkpoint
+from ckpttool.families.deepseek.demo import build_checkpoint
 from conftest import load_dir, run_cli
 
 

@@ -19,8 +19,8 @@ from safetensors import safe_open
 from transformers import GptOssForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from ckpttool.arch.gpt_oss import GptOssConfig, dequant_expert_weight, hf_tensor_dtype, hf_tensor_shapes
-from ckpttool.demo_gpt_oss import build_gpt_oss_checkpoint, random_mxfp4
+from ckpttool.families.gpt_oss.spec import GptOssConfig, dequant_expert_weight, hf_tensor_dtype, hf_tensor_shapes
+from ckpttool.families.gpt_oss.demo import build_gpt_oss_checkpoint, random_mxfp4
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.kernels import mxfp4, mxfp4_cpu
@@ -121,9 +121,9 @@ def test_unsupported_out_dtype_is_an_error():
 # -- Triton: same bits as the CPU path ---------------------------------------------------------------
 _TRITON_CHECK = """
 import torch
-from ckpttool.io.safetensors import dtype_code
+from ckpttool.dtypes import dtype_code
 from ckpttool.kernels import mxfp4
-from ckpttool.demo_gpt_oss import random_mxfp4
+from ckpttool.families.gpt_oss.demo import random_mxfp4
 device = "cuda" if torch.cuda.is_available() else "cpu"
 blocks = torch.arange(256).to(torch.uint8).reshape(1, 1, 16, 16).expand(3, 256, 16, 16).contiguous()
 scales = torch.arange(256).to(torch.uint8).reshape(1, 256, 1).expand(3, 256, 16).contiguous()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpttool.demo import build_checkpoint
+from ckpttool.families.deepseek.demo import build_checkpoint
 from conftest import run_cli
 
 W = "model.layers.1.mlp.experts.3.up_proj.weight"

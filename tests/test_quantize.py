@@ -177,7 +177,7 @@ def test_fp8_quantized_shards_verify_and_merge_back(llama_128, tmp_path):
     dequantized checkpoint, and merge gives back the quantized HF checkpoint byte for byte."""
     from dense_models import greedy_oracle
 
-    from ckpttool.verify import run_verify
+    from ckpttool.verify.run import run_verify
 
     run_cli("run", _recipe(tmp_path, "fp8_block"), "-i", llama_128, "-o", tmp_path / "fp8", "--quiet")
     run_cli("dequant", tmp_path / "fp8", tmp_path / "bf16", "--quiet")

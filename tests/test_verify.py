@@ -17,11 +17,11 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from ckpttool.cli import app
-from ckpttool.demo import build_checkpoint
+from ckpttool.families.deepseek.demo import build_checkpoint
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.kernels.fp8 import dequant_fp8_block
-from ckpttool.verify import run_verify
+from ckpttool.verify.run import run_verify
 from conftest import SEEDS
 
 REPO = Path(__file__).resolve().parent.parent

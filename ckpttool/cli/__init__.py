@@ -1,8 +1,8 @@
-"""CLI root: assembles the app from one module per command and maps CkptError to an exit code."""
+"""CLI root: the entry point, which runs the app (cli/app.py: one module per command, registered
+explicitly) and maps CkptError to a message and an exit code."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -17,10 +17,6 @@ USAGE_ERRORS = tuple({click.ClickException,
                       next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")})
 ABORTS = tuple({click.Abort, typer.Abort})
 
-COMMAND_MODULES = ("download", "pipeline", "inspect", "verify", "merge", "demo")
-
-for _name in COMMAND_MODULES:  # each module attaches its command(s) to `app`
-    importlib.import_module(f"ckpttool.cli.{_name}")
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. CkptError becomes a one-paragraph message and a non-zero exit code, with no

@@ -1,6 +1,8 @@
-"""The typer app object; command modules attach to it (see cli/__init__.py)."""
+"""The typer app, with every command registered explicitly, in the order `--help` lists them."""
 
 import typer
+
+from ckpttool.cli import demo, download, inspect, pipeline, verify
 
 app = typer.Typer(
     name="ckpttool",
@@ -9,3 +11,18 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+COMMANDS = (
+    ("download", download.download),
+    ("dequant", pipeline.dequant),
+    ("shard", pipeline.shard),
+    ("convert", pipeline.convert),
+    ("run", pipeline.run),
+    ("plan", pipeline.plan),
+    ("inspect", inspect.inspect),
+    ("verify", verify.verify),
+    ("merge", pipeline.merge),
+    ("demo", demo.demo),
+)
+for _name, _command in COMMANDS:
+    app.command(_name)(_command)

@@ -7,17 +7,15 @@ from typing import Annotated
 
 import typer
 
-from ckpttool.cli.app import app
 from ckpttool.cli.options import Quiet
-from ckpttool.cli.inspect import describe
-from ckpttool.demo import PRESETS, build_checkpoint
 from ckpttool.errors import OutputError
-from ckpttool.io.writer import check_destination
-from ckpttool.pipeline import Spec
-from ckpttool.runner import ExecOptions, convert
+from ckpttool.families.deepseek.demo import PRESETS, build_checkpoint
+from ckpttool.io.describe import describe
+from ckpttool.publish.destination import check_destination
+from ckpttool.recipe import preset as recipe_preset
+from ckpttool.runner import Request, run
 
 
-@app.command()
 def demo(workdir: Annotated[Path, typer.Argument(help="Where to put the demo input and output.")] = Path("demo-out"),
          preset: Annotated[str, typer.Option("--preset", help=f"One of: {', '.join(PRESETS)}.")] = "tiny-v3",
          mp: Annotated[int, typer.Option("--mp", min=1)] = 2,
@@ -36,7 +34,7 @@ def demo(workdir: Annotated[Path, typer.Argument(help="Where to put the demo inp
     info = describe(src)
     print(f"built {src}: {info['tensors']} tensors, {info['total_bytes'] / 1e6:.1f} MB, "
           + ", ".join(f"{d} x{v['tensors']}" for d, v in info["dtypes"].items()))
-    result = convert(src, dst, Spec(dequant=True, mp=mp), ExecOptions(quiet=quiet))
+    result = run(Request(recipe=recipe_preset("demo", dequant=True, mp=mp), src=src, dst=dst, quiet=quiet)).result
     print(f"converted to {dst} in {result.seconds:.2f}s:")
     for f in result.plan.files:
         print(f"  {f.name}: {len(f.tensors)} tensors, {f.size / 1e6:.2f} MB")

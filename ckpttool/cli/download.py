@@ -8,11 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpttool.cli.app import app
 from ckpttool.cli.options import Json, Quiet
 
 
-@app.command("download")
 def download(
     repo_id: Annotated[str, typer.Argument(help="Hub repo id, namespace/name.")],
     dst: Annotated[Optional[Path], typer.Argument(
@@ -37,7 +35,7 @@ def download(
 
     Example: ckpttool download deepseek-ai/DeepSeek-V3 ./dsv3 --exclude 'original/*' --verify-sha256
     """
-    from ckpttool.io.hub import download_checkpoint  # huggingface_hub loads only when this command runs
+    from ckpttool.hub import download_checkpoint  # huggingface_hub loads only when this command runs
 
     result = download_checkpoint(repo_id, dst, revision=revision, allow_patterns=include, ignore_patterns=exclude,
                                  max_workers=max_workers, verify_sha256=verify_sha256, token=token,
@@ -51,7 +49,7 @@ def download(
 
 
 def render_summary(result) -> str:
-    """Human summary of a ckpttool.io.hub.DownloadResult."""
+    """Human summary of a ckpttool.hub.DownloadResult."""
     headers = sum(f.header_checked for f in result.files)
     hashed = [f for f in result.files if f.hash_checked]
     lines = [f"{result.repo_id}@{result.revision} (commit {result.commit[:12]})"

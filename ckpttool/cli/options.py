@@ -1,9 +1,12 @@
-"""Options shared by several commands, so a flag means the same thing everywhere."""
+"""Options shared by several commands, so a flag means the same thing (and shows the same default)
+everywhere. Defaults come from ckpttool/defaults.py."""
 
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from ckpttool import defaults
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output; errors are still printed.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one machine-readable JSON object on stdout.")]
@@ -12,3 +15,10 @@ Dst = Annotated[Path, typer.Argument(help="Output directory; must be empty or ab
 Mp = Annotated[Optional[int], typer.Option("--mp", min=1, help="Model-parallel ranks: write model{i}-mp{N}.safetensors.")]
 Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda: where dequant runs, the same bits on each. auto: the CPU (numpy, "
                                                     "no torch import) on 8+ cores, else a GPU if there is one.")]
+MaxMemory = Annotated[Optional[str], typer.Option(
+    "--max-memory", help=f"Memory budget for tensors in flight, e.g. 8GiB (default {defaults.MAX_MEMORY}).")]
+Workers = Annotated[Optional[int], typer.Option(
+    "--workers", min=1, help=f"Parallel tensor workers (default: cores, at most {defaults.MAX_WORKERS}).")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace ckpttool output already in DST.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in DST; byte-identical result.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit; reads no weights.")]

@@ -9,11 +9,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpttool.cli.app import app
 from ckpttool.cli.options import Json, Quiet
 from ckpttool.errors import InputError
-from ckpttool.distributed import launched_by_torchrun
-from ckpttool.verify_defaults import DEFAULT_PROMPT, DEFAULT_TOLERANCE
+from ckpttool.execute.distributed import launched_by_torchrun
+from ckpttool.verify.defaults import DEFAULT_PROMPT, DEFAULT_TOLERANCE
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -24,7 +23,6 @@ def _parse_ids(text: str) -> list[int]:
                          fix="pass e.g. --prompt-ids 0,5,9") from None
 
 
-@app.command()
 def verify(
     directory: Annotated[Path, typer.Argument(help="Directory with model{i}-mp{N}.safetensors and config.json.")],
     mp: Annotated[Optional[int], typer.Option("--mp", min=1, help="Ranks to run; default: from the file names.")] = None,
@@ -53,7 +51,7 @@ def verify(
 
     Under torchrun each process is one rank: torchrun --nproc-per-node 8 $(which ckpttool) verify ./V3-mp8 --device cuda
     """
-    from ckpttool.verify import run_verify  # torch loads only when this command runs
+    from ckpttool.verify.run import run_verify  # torch loads only when this command runs
 
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     report = run_verify(directory, reference=reference, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens,

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ckpttool.errors import InputError
+from ckpttool.io.layout import INDEX_NAME
 from ckpttool.io.safetensors import (
     SafetensorsFile,
     TensorInfo,
@@ -31,7 +32,6 @@ from ckpttool.io.safetensors import (
     tensor_from_bytes,
 )
 
-INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 256 * 1024 * 1024  # DeepSeek-V3's index is ~9 MB for 92k tensors
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 _FIX_INDEX = "the index is corrupt or hostile; re-download model.safetensors.index.json"
@@ -45,18 +45,63 @@ class SourceTensor:
     info: TensorInfo
 
 
-class Checkpoint:
-    """Headers of every shard, resolved through the index when there is one. Thread-safe reads."""
+class ShardFiles:
+    """safetensors files of one directory, by file name: their headers, one shared read-only
+    descriptor each, and thread-safe reads of a (file, tensor) (pread: the page cache does the rest).
 
-    def __init__(self, root: Path | str):
+    The base of Checkpoint, and on its own the input of `merge`, whose mp shards repeat tensor names."""
+
+    def __init__(self, root: Path | str, names: tuple[str, ...] | list[str] = ()):
         self.root = Path(root)
         if not self.root.is_dir():
             raise InputError("checkpoint directory does not exist", file=self.root,
                              fix="pass a directory holding *.safetensors (and config.json)")
         self.files: dict[str, SafetensorsFile] = {}
-        self.tensors: dict[str, SourceTensor] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        for fname in names:
+            self._add_file(fname)
+
+    def _add_file(self, fname: str) -> SafetensorsFile:
+        sf = self.files[fname] = read_header(self.root / fname)
+        return sf
+
+    def fd(self, fname: str) -> int:
+        """A read-only descriptor for one shard, opened once and shared (pread is thread-safe)."""
+        with self._lock:
+            fd = self._fds.get(fname)
+            if fd is None:
+                fd = self._fds[fname] = os.open(self.root / fname, os.O_RDONLY)
+            return fd
+
+    def info(self, fname: str, name: str) -> TensorInfo:
+        return self.files[fname].tensors[name]
+
+    def read_from(self, fname: str, name: str) -> np.ndarray:
+        """One tensor's bytes, into fresh memory."""
+        info = self.info(fname, name)
+        return read_bytes(self.fd(fname), info.start, info.nbytes, self.root / fname)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Checkpoint(ShardFiles):
+    """An HF checkpoint: every shard's header, resolved through the index when there is one, each
+    tensor name in exactly one file, and config.json."""
+
+    def __init__(self, root: Path | str):
+        super().__init__(root)
+        self.tensors: dict[str, SourceTensor] = {}
         index_path = self.root / INDEX_NAME
         if os.path.lexists(index_path):  # a dangling symlink is an error below, not "no index"
             self._load_indexed(index_path)
@@ -114,26 +159,19 @@ class Checkpoint:
                              fix="finish the download (or re-download) so every shard is present")
         return fname
 
-    def _add_file(self, fname: str) -> None:
-        sf = read_header(self.root / fname)
-        self.files[fname] = sf
+    def _add_file(self, fname: str) -> SafetensorsFile:
+        sf = super()._add_file(fname)
         for name, info in sf.tensors.items():
             if name in self.tensors:
                 raise InputError(f"tensor appears in two shards ({self.tensors[name].file} and {fname})",
                                  file=self.root / fname, tensor=name,
                                  fix="remove the stray shard or add a model.safetensors.index.json that picks one")
             self.tensors[name] = SourceTensor(fname, info)
+        return sf
 
     def _load_config(self) -> dict:
         path = self.root / "config.json"
-        if not os.path.lexists(path):
-            return {}
-        config = _read_json(path, "config.json", MAX_CONFIG_BYTES,
-                            "fix or re-download config.json (it must be one JSON object)")
-        if not isinstance(config, dict):
-            raise InputError(f"config.json is a JSON {type(config).__name__}, not an object", file=path,
-                             fix="fix or re-download config.json (it must be one JSON object)")
-        return config
+        return read_config(path) if os.path.lexists(path) else {}
 
     # -- reading -----------------------------------------------------------------------------------
     def source(self, name: str) -> SourceTensor:
@@ -142,44 +180,31 @@ class Checkpoint:
         except KeyError:
             raise InputError("tensor not found in the checkpoint", file=self.root, tensor=name) from None
 
-    def _fd(self, fname: str) -> int:
-        with self._lock:
-            fd = self._fds.get(fname)
-            if fd is None:
-                fd = self._fds[fname] = os.open(self.root / fname, os.O_RDONLY)
-            return fd
-
-    def fd(self, fname: str) -> int:
-        """A read-only descriptor for one shard, opened once and shared (pread is thread-safe)."""
-        return self._fd(fname)
-
     def read(self, name: str):
-        """Read one tensor into fresh memory as a torch tensor (pread; the page cache does the rest)."""
-        return tensor_from_bytes(self._read_bytes(name), self.source(name).info.dtype, self.source(name).info.shape)
+        """Read one tensor into fresh memory as a torch tensor."""
+        src = self.source(name)
+        return tensor_from_bytes(self.read_from(src.file, name), src.info.dtype, src.info.shape)
 
     def read_array(self, name: str) -> np.ndarray:
-        """`read` as a numpy array in the dtype's carrier (io.safetensors.CARRIERS): no torch."""
-        return array_from_bytes(self._read_bytes(name), self.source(name).info.dtype, self.source(name).info.shape)
-
-    def _read_bytes(self, name: str) -> np.ndarray:
+        """`read` as a numpy array in the dtype's carrier (dtypes.CARRIERS): no torch."""
         src = self.source(name)
-        return read_bytes(self._fd(src.file), src.info.start, src.info.nbytes, self.root / src.file)
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-    def __enter__(self) -> "Checkpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        return array_from_bytes(self.read_from(src.file, name), src.info.dtype, src.info.shape)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.info.nbytes for t in self.tensors.values())
+
+
+def read_config(path: Path, *, missing_fix: str = "copy the checkpoint's config.json beside its safetensors files") -> dict:
+    """A config.json, strictly: present, a regular file of bounded size, one JSON object."""
+    if not os.path.lexists(path):
+        raise InputError("config.json is missing", file=path, fix=missing_fix)
+    config = _read_json(path, "config.json", MAX_CONFIG_BYTES,
+                        "fix or re-download config.json (it must be one JSON object)")
+    if not isinstance(config, dict):
+        raise InputError(f"config.json is a JSON {type(config).__name__}, not an object", file=path,
+                         fix="fix or re-download config.json (it must be one JSON object)")
+    return config
 
 
 def _short_repr(value: object, limit: int = 80) -> str:

@@ -20,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from ckpttool.dtypes import CARRIERS, ITEMSIZES, itemsize, torch_dtype
 from ckpttool.errors import InputError
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's own cap (decimal, not 100 MiB)
@@ -29,49 +30,6 @@ MAX_NDIM = 64  # real tensors have <= 8 dims; a longer shape list is a corrupt h
 # overrides, zero-width, BOM), lone surrogates (unencodable; would break every writer) and the
 # line/paragraph separators. Names are ASCII in every published checkpoint.
 _BAD_NAME_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
-
-# dtype code -> (numpy carrier, torch dtype name). The carrier has the element's size (and is the
-# element type itself where numpy has one): the CPU data path moves and slices tensors as numpy
-# arrays and never needs torch, whose import costs seconds at every start.
-_DTYPE_TABLE: dict[str, tuple[type, str]] = {
-    "BOOL": (np.bool_, "bool"),
-    "U8": (np.uint8, "uint8"),
-    "I8": (np.int8, "int8"),
-    "F8_E4M3": (np.uint8, "float8_e4m3fn"),
-    "F8_E5M2": (np.uint8, "float8_e5m2"),
-    "F8_E8M0": (np.uint8, "float8_e8m0fnu"),
-    "I16": (np.int16, "int16"),
-    "U16": (np.uint16, "uint16"),
-    "F16": (np.float16, "float16"),
-    "BF16": (np.uint16, "bfloat16"),
-    "I32": (np.int32, "int32"),
-    "U32": (np.uint32, "uint32"),
-    "F32": (np.float32, "float32"),
-    "I64": (np.int64, "int64"),
-    "U64": (np.uint64, "uint64"),
-    "F64": (np.float64, "float64"),
-}
-CARRIERS: dict[str, np.dtype] = {code: np.dtype(c) for code, (c, _) in _DTYPE_TABLE.items()}
-ITEMSIZES: dict[str, int] = {code: c.itemsize for code, c in CARRIERS.items()}
-
-
-def itemsize(dtype: str) -> int:
-    return ITEMSIZES[dtype]
-
-
-def torch_dtype(dtype: str):
-    """The torch dtype of a safetensors code (torch imported on first use; F8_E8M0 is uint8 on a
-    torch without float8_e8m0fnu)."""
-    import torch
-
-    return getattr(torch, _DTYPE_TABLE[dtype][1], torch.uint8)
-
-
-def dtype_code(torch_dtype_) -> str | None:
-    """The safetensors code of a torch dtype (the inverse of torch_dtype), or None."""
-    name = str(torch_dtype_).removeprefix("torch.")
-    return next((code for code, (_, n) in _DTYPE_TABLE.items() if n == name), None)
-
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:

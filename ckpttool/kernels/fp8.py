@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ckpttool.errors import InputError
-from ckpttool.io.safetensors import dtype_code, torch_dtype
+from ckpttool.dtypes import dtype_code, torch_dtype
 from ckpttool.kernels.fp8_cpu import BLOCK, OUT_DTYPES, NaNCodes, dequant as _dequant_cpu
 
 if TYPE_CHECKING:

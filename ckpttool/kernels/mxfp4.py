@@ -31,7 +31,7 @@ import functools
 from typing import TYPE_CHECKING
 
 from ckpttool.errors import InputError
-from ckpttool.io.safetensors import dtype_code, torch_dtype
+from ckpttool.dtypes import dtype_code, torch_dtype
 from ckpttool.kernels.mxfp4_cpu import (  # noqa: F401 - the format's constants, re-exported
     BYTES_PER_BLOCK,
     E2M1_VALUES,
@@ -70,7 +70,7 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out_dtype: torch.d
     """u8 blocks [..., G, 16] and u8 (or float8_e8m0fnu) scales [..., G] -> out_dtype (bf16 by
     default) [..., G * 32].
 
-    No transpose: the layout change gpt-oss needs lives in ckpttool.arch.gpt_oss.
+    No transpose: the layout change gpt-oss needs lives in families/gpt_oss/spec.py.
     """
     import torch
 

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ckpttool.io.safetensors import CARRIERS
+from ckpttool.dtypes import CARRIERS
 from ckpttool.kernels.fp8_cpu import OUT_DTYPES, round_to_bf16  # noqa: F401 - OUT_DTYPES re-exported
 
 VALUES_PER_BLOCK = 32

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from ckpttool.model.deepseek import Transformer
 
-
-def greedy_generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
+def greedy_generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int,
                     eos_ids: tuple[int, ...] = ()) -> tuple[list[int], torch.Tensor]:
     """Prefill the prompt, then one token per step. Returns the new ids (an EOS included, then stop)
     and the float32 logits that chose each of them: [len(new ids), vocab]. Every rank sees the same
@@ -30,7 +29,7 @@ def greedy_generate(model: Transformer, prompt_ids: list[int], max_new_tokens: i
     return generated, torch.stack(step_logits)
 
 
-def teacher_forced_logits(model: Transformer, prompt_ids: list[int], generated: list[int]) -> torch.Tensor:
+def teacher_forced_logits(model: nn.Module, prompt_ids: list[int], generated: list[int]) -> torch.Tensor:
     """One forward pass over prompt + generated[:-1]: the logits at the positions that chose each
     generated id, [len(generated), vocab], comparable row for row with greedy_generate's."""
     sequence = prompt_ids + generated[:-1]

@@ -1,8 +1,8 @@
-"""Strict weight loading: every parameter present, nothing extra, shapes equal, dtypes compatible.
+"""Strict weight loading shared by the bundled models: every parameter present, nothing extra, shapes
+equal, dtypes compatible; and the comparison of loaded weights with their slices of a reference.
 
-Two sources: one `model{rank}-mp{N}.safetensors` (reference mp names, already sliced), or an HF
-checkpoint directory loaded whole at mp=1 (HF names mapped through arch.deepseek.KEY_TABLE; MTP
-layers, which the model does not have, are skipped).
+The sources are one `model{rank}-mp{N}.safetensors` (mp names, already sliced) or an HF checkpoint
+directory loaded whole at mp=1 through a family's key table (families/*/weights.py).
 """
 
 from __future__ import annotations
@@ -14,20 +14,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ckpttool.arch.deepseek import EXPERT, KEY_TABLE, layer_index
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.safetensors import SafetensorsFile, TensorInfo, read_bytes, read_header, tensor_from_bytes
+from ckpttool.formats import SCALE_SUFFIX
 from ckpttool.kernels.fp8 import dequant_fp8_block
-from ckpttool.model.parallel import Linear, ParallelContext
+from ckpttool.model.parallel import Linear
 
 _FLOAT_FILE_DTYPES = {"BF16", "F16", "F32"}
 _FP8_FILE_DTYPES = {"F8_E4M3"}
 MAX_LISTED = 8
-
-
-def mp_file_name(rank: int, world_size: int) -> str:
-    return f"model{rank}-mp{world_size}.safetensors"
 
 
 def read_shard_header(path: Path) -> SafetensorsFile:
@@ -53,36 +49,6 @@ def load_mp_shard(model: nn.Module, path: Path) -> None:
         os.close(fd)
 
 
-def load_hf_checkpoint(model: nn.Module, directory: Path, n_layers: int) -> None:
-    """Load a whole HF DeepSeek checkpoint into an mp=1 model; MTP layers (>= n_layers) are skipped."""
-    with Checkpoint(directory) as ckpt:
-        params = dict(model.named_parameters())
-        wanted = {hf_name(name): name for name in params}
-        available: dict[str, tuple[str, TensorInfo]] = {}
-        for hf, src in ckpt.tensors.items():
-            layer = layer_index(hf)
-            if layer is not None and layer >= n_layers:
-                continue  # multi-token-prediction layers are not part of the model
-            available[wanted.get(hf, hf)] = (hf, src.info)
-        check_tensors(params, available, directory)
-        for name, param in params.items():
-            param.data.copy_(ckpt.read(hf_name(name)))
-
-
-def weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, n_layers: int,
-                       shard: Path, limit: int = MAX_LISTED) -> list[str]:
-    """DeepSeek: every loaded weight against its slice of the reference HF checkpoint."""
-
-    def source(name: str, ckpt: Checkpoint) -> tuple[str, tuple[int, int, int] | None]:
-        hf, split = hf_name_and_split(name)
-        if not isinstance(split, int) or ctx.world_size == 1 or hf not in ckpt.tensors:
-            return hf, None  # expert tensors are whole per rank; a missing one is reported by the caller
-        part = ckpt.source(hf).info.shape[split] // ctx.world_size
-        return hf, (split, ctx.rank * part, part)
-
-    return reference_differences(model, reference, shard, source, limit)
-
-
 def reference_differences(model: nn.Module, reference: Path, shard: Path,
                           source: Callable[[str, Checkpoint], tuple[str, tuple[int, int, int] | None]],
                           limit: int = MAX_LISTED) -> list[str]:
@@ -103,8 +69,8 @@ def reference_differences(model: nn.Module, reference: Path, shard: Path,
                     problems.append(f"{name}: the reference has no {hf!r}")
                     continue
                 theirs = ckpt.read(hf)
-                if hf + "_scale_inv" in ckpt.tensors:
-                    theirs = dequant_fp8_block(theirs, ckpt.read(hf + "_scale_inv"))
+                if (scale := hf + SCALE_SUFFIX) in ckpt.tensors:
+                    theirs = dequant_fp8_block(theirs, ckpt.read(scale))
                 if narrow is not None:
                     theirs = theirs.narrow(*narrow)
                 theirs = theirs.to(mine.device, mine.dtype)
@@ -154,32 +120,3 @@ def check_tensors(params: dict[str, nn.Parameter], found: dict[str, tuple[str, T
                      tensor=problems[0][0],
                      fix="the files do not match config.json and this --mp; re-run the conversion into an empty "
                          "directory and copy its config.json beside the shards")
-
-
-# -- native (reference mp) name -> HF name ----------------------------------------------------------
-_TEMPLATES = {native: (hf, split) for hf, native, split in KEY_TABLE}
-
-
-def hf_name(native: str) -> str:
-    """`layers.3.ffn.experts.7.w1.scale` -> `model.layers.3.mlp.experts.7.gate_proj.weight_scale_inv`."""
-    return hf_name_and_split(native)[0]
-
-
-def hf_name_and_split(native: str) -> tuple[str, object]:
-    """The HF name of a model parameter and how convert splits it: a dim, EXPERT or None."""
-    parts = native.split(".")
-    values: dict[str, str] = {}
-    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
-        values["layer"], parts[1] = parts[1], "{layer}"
-    for i in range(1, len(parts) - 1):
-        if parts[i - 1] == "experts" and parts[i].isdigit():
-            values["expert"], parts[i] = parts[i], "{expert}"
-    is_scale = parts[-1] == "scale"
-    if is_scale:
-        parts[-1] = "weight"
-    row = _TEMPLATES.get(".".join(parts))
-    if row is None:
-        raise KeyError(f"no HF name for model parameter {native!r}")  # a model/table mismatch: a bug here
-    hf = row[0].format(**values)
-    split = None if row[1] == EXPERT else row[1]
-    return (hf + "_scale_inv" if is_scale else hf), split

@@ -1,0 +1,47 @@
+"""The defaults every command, recipe and torchrun rank shares, and the one parser of size strings.
+
+Declared once so that `ckpttool run RECIPE` and `ckpttool convert` behave the same unless told
+otherwise, and `--help`, the recipe schema and the runner cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+MAX_MEMORY = "4GiB"
+"""budget for tensors in flight (execution.max_memory, --max-memory)"""
+MIN_MAX_MEMORY = 16 << 20
+DEVICE = "auto"
+"""where dequant runs (execution.device, --device): see execute/device.py for what auto picks"""
+MAX_WORKERS = 16
+MAX_SHARD_SIZE = "50GB"
+"""merge's largest output file: transformers' save_pretrained default"""
+CHUNK_BYTES = 32 << 20
+"""output bytes per streamed run of rows (and per worker's pinned buffer on CUDA)"""
+
+
+def workers() -> int:
+    """One worker per core, up to 16: each runs its numpy transforms on one core. With 8 on the
+    16-core benchmark machine the workers were busy 98% of a warm run (transform, then writes into
+    the page cache) while sha256 and the disk had room (bench/RESULTS.md)."""
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """'4GiB', '512MB', '8G', or a plain byte count. Raises ValueError naming the text."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if unit not in _UNITS or not num:
+        raise ValueError(f"cannot read {text!r} as a size; use e.g. 4GiB, 512MiB or a byte count")
+    value = float(num) * _UNITS[unit]
+    if not math.isfinite(value):
+        raise ValueError(f"cannot read {text!r} as a size; use e.g. 4GiB, 512MiB or a byte count")
+    return int(value)

@@ -1,0 +1,190 @@
+"""The staging directory DST/.ckpttool-partial: output files created at their final size, tensors
+pwritten at their planned offsets, and a journal of durable work for --resume. publish/ turns a
+finished one into the output.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ckpttool import faults
+from ckpttool.errors import OutputError
+from ckpttool.io.hashing import PrefixHasher
+from ckpttool.io.layout import PARTIAL_DIR
+from ckpttool.plan.types import Plan
+from ckpttool.timing import Timings
+
+JOURNAL = "journal.jsonl"
+PLAN_FILE = "plan.json"
+
+
+def disk_error(exc: OSError, path: object) -> OutputError:
+    if exc.errno == errno.ENOSPC:
+        return OutputError("no space left on device", file=path,
+                           fix="free disk space, then rerun the same command with --resume")
+    return OutputError(f"write failed: {exc.strerror}", file=path, fix="check the output filesystem, then --resume")
+
+
+class Staging:
+    """DST/.ckpttool-partial: output files at their final size, plus plan.json and the journals.
+
+    Rank 0 (or a single process) creates it; under torchrun the other ranks join it, each writing
+    its own files and its own journal, so no two processes ever append to the same file.
+    """
+
+    def __init__(self, dst: Path, plan: Plan, *, resume: bool, overwrite: bool = False, rank: int = 0,
+                 timings: Timings | None = None):
+        self.dst = Path(dst)
+        self.timings = timings or Timings()
+        self.dir = self.dst / PARTIAL_DIR
+        self.plan = plan
+        self.plan_hash = plan.hash
+        self.done: set[tuple[str, str]] = set()
+        self.published: set[str] = set()
+        plan_path = self.dir / PLAN_FILE
+        journal = self.dir / (JOURNAL if rank == 0 else f"journal.{rank}.jsonl")
+        if rank == 0 and not (resume and plan_path.exists()):
+            if self.dir.exists():
+                shutil.rmtree(self.dir)  # only reachable with --overwrite (publish.destination)
+            self.dir.mkdir(parents=True)
+            atomic_write(plan_path, json.dumps({"plan_hash": self.plan_hash, "plan": plan.to_json()}).encode())
+        else:
+            previous = json.loads(plan_path.read_text()).get("plan_hash")
+            if previous != self.plan_hash:
+                raise OutputError("--resume: the interrupted run was planned for different inputs or options",
+                                  file=plan_path, fix="rerun with the original arguments, or --overwrite to start over")
+            self._load_journals()
+        self._journal = open(journal, "ab")
+        self.fds: dict[str, int] = {}
+        # each output file is hashed while it is written (its contiguous written prefix)
+        self._hash_pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1, max(1, len(plan.files))),
+                                             thread_name_prefix="ckpttool-sha256")
+        self._hashers: dict[str, PrefixHasher] = {}
+
+    def _load_journals(self) -> None:
+        for path in sorted(self.dir.glob("journal*.jsonl")):
+            for line in path.read_bytes().splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue  # a line torn by a kill: that work is simply redone
+                if "published" in entry:
+                    self.published.add(entry["published"])
+                else:
+                    self.done.add((entry["f"], entry["t"]))
+
+    def open_files(self, files: set[str] | None = None) -> None:
+        """Create (or, resuming, reopen) the output files at their final size; `files` limits this
+        to one rank's share."""
+        for f in self.plan.files:
+            if f.name in self.published or (files is not None and f.name not in files):
+                continue
+            path = self.dir / f.name
+            fresh = not path.exists() or path.stat().st_size != f.size
+            if fresh:
+                self.done = {(fn, t) for fn, t in self.done if fn != f.name}
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if fresh:
+                    os.ftruncate(fd, 0)
+                    pwrite_all(fd, f.header, 0)
+                    os.ftruncate(fd, f.size)
+            except OSError as exc:
+                os.close(fd)
+                raise disk_error(exc, path) from None
+            self.fds[f.name] = fd
+            if not any(fn == f.name for fn, _ in self.done):  # nothing written by an earlier run
+                self._hashers[f.name] = PrefixHasher(path, f.size, self._hash_pool, written_prefix=len(f.header),
+                                                     timings=self.timings)
+
+    def pwrite(self, file: str, data, offset: int) -> None:
+        try:
+            faults.point("pwrite")
+            pwrite_all(self.fds[file], data, offset)
+        except OSError as exc:
+            raise disk_error(exc, self.dir / file) from None
+
+    def commit(self, entries: list[tuple[str, str]]) -> None:
+        """Make written tensors durable, then record them: the journal never runs ahead of the data."""
+        with self.timings.activity("fdatasync"):
+            for file in sorted({f for f, _ in entries}):
+                try:
+                    os.fdatasync(self.fds[file])
+                except OSError as exc:
+                    raise disk_error(exc, self.dir / file) from None
+        faults.point("commit")
+        self._journal.write(b"".join(json.dumps({"f": f, "t": t}).encode() + b"\n" for f, t in entries))
+        self._journal.flush()
+        os.fsync(self._journal.fileno())
+        self.done.update(entries)
+
+    def written(self, file: str, start: int, end: int) -> None:
+        """Bytes [start, end) of `file` hold their final contents (feeds the running sha256)."""
+        hasher = self._hashers.get(file)
+        if hasher is not None:
+            hasher.written(start, end)
+
+    def save_digests(self) -> None:
+        """Wait for this process's running hashes and leave each beside its file, for whoever
+        publishes (rank 0, or a later --resume: the bytes are deterministic, so a digest stays true)."""
+        for name, hasher in self._hashers.items():
+            atomic_write(self.dir / f"{name}.sha256", hasher.result().encode())
+
+    def close_files(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def close(self) -> None:
+        self.close_files()
+        self._hash_pool.shutdown(wait=True, cancel_futures=True)
+        if not self._journal.closed:
+            self._journal.close()
+
+    def saved_digests(self) -> dict[str, str]:
+        """The running hashes left beside their files, by this or another rank's process."""
+        digests = {}
+        for f in self.plan.files:
+            saved = self.dir / f"{f.name}.sha256"
+            if saved.exists():
+                digests[f.name] = saved.read_text().strip()
+        return digests
+
+    def mark_published(self, name: str) -> None:
+        """Journal that `name` has been moved into DST (a resumed publish skips it)."""
+        self._journal.write(json.dumps({"published": name}).encode() + b"\n")
+        self._journal.flush()
+        os.fsync(self._journal.fileno())
+        self.published.add(name)
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.ckpttool-tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by path (a fresh descriptor flushes what any process wrote)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+

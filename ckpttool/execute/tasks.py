@@ -1,0 +1,304 @@
+"""The units of work the executor schedules, and how each one streams its bytes.
+
+A `Task` is one input tensor (plus its scale) and every output piece made from it. It streams its
+source in runs of dim-0 rows: read the rows, transform them (FP8/MXFP4 dequant, on CPU or CUDA), and
+pwrite each piece's share of them at its planned offset. Rows no remaining piece needs are never
+read, so a resumed or distributed run reads only what it writes.
+
+A `GatherTask` is the other direction (merge): one output tensor made of its ranks' parts, streamed
+in runs of rows too, each run of every part concatenated along the split dim and written in place.
+
+Inputs are addressed by (file, tensor) through io.checkpoint.ShardFiles, so a Checkpoint (names
+resolved through its index) and a set of mp shards (names repeated per rank) read the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ckpttool import defaults
+from ckpttool.dtypes import itemsize
+from ckpttool.errors import InputError
+from ckpttool.execute.cuda import CudaTransforms
+from ckpttool.execute.staging import Staging
+from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS
+from ckpttool.io.checkpoint import ShardFiles
+from ckpttool.io.safetensors import TensorInfo, array_from_bytes, read_bytes
+from ckpttool.kernels.fp8_cpu import NaNCodes
+from ckpttool.plan.types import PlacedTensor, Plan
+
+CHUNK_BYTES = defaults.CHUNK_BYTES
+
+
+@dataclass(slots=True)
+class Task:
+    """All output pieces made from one input tensor (and its scale): read once, write many."""
+
+    source: str
+    file: str  # the input file holding `source`
+    info: TensorInfo
+    transform: str | None
+    scale: str | None
+    scale_file: str | None
+    scale_info: TensorInfo | None
+    out_dtype: str
+    pieces: list[tuple[str, PlacedTensor]] = field(default_factory=list)  # (output file, placement)
+
+    @property
+    def rows(self) -> int:
+        """dim-0 length; a scalar counts as one row."""
+        return self.info.shape[0] if self.info.shape else 1
+
+    def chunk_rows(self, chunk_bytes: int = CHUNK_BYTES) -> int:
+        if self.transform in QUANTIZE_TRANSFORMS:
+            return max(1, self.rows)
+        shape = self.info.shape
+        fmt = BY_NAME[self.transform] if self.transform else None
+        align = fmt.row_align if fmt else 1
+        if fmt:
+            out_row = fmt.out_per_source_row(shape) * itemsize(self.out_dtype)
+        else:
+            out_row = math.prod(shape[1:]) * itemsize(self.info.dtype)
+        rows = max(1, chunk_bytes // max(out_row, 1)) // align * align
+        return max(align, rows)
+
+    def memory(self, chunk_bytes: int = CHUNK_BYTES) -> int:
+        """Peak bytes one run of rows needs: the source rows, the transformed rows (and the fp32
+        temporary of a dequant), and one contiguous piece copy."""
+        info = self.info
+        if self.transform in QUANTIZE_TRANSFORMS:  # the source, its fp32 copy and temporaries, the output
+            numel = info.nbytes // itemsize(info.dtype)
+            return info.nbytes + numel * 12 + max(p.end - p.start for _, p in self.pieces)
+        rows = min(self.chunk_rows(chunk_bytes), self.rows)
+        src = info.nbytes // max(self.rows, 1) * rows
+        if self.transform is None:
+            return 2 * src
+        out = BY_NAME[self.transform].out_per_source_row(info.shape) * rows
+        scale = self.scale_info.nbytes if self.scale_info is not None else 0
+        return src + scale + out * (2 * itemsize(self.out_dtype) + 4)
+
+    @property
+    def nbytes_out(self) -> int:
+        return sum(p.end - p.start for _, p in self.pieces)
+
+    @property
+    def read_order(self) -> tuple[str, int]:
+        return self.file, self.info.start
+
+    def run(self, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
+            chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
+        return run_task(self, inputs, staging, gpu, chunk_bytes)
+
+
+@dataclass(slots=True)
+class GatherTask:
+    """One output tensor concatenated from parts along `concat_dim` (merge): each part is one rank's slice."""
+
+    out_file: str
+    placed: PlacedTensor
+    parts: list[tuple[str, TensorInfo]]  # (input file, header entry)
+    concat_dim: int
+
+    transform = None  # bytes are moved, never transformed
+
+    @property
+    def pieces(self) -> list[tuple[str, PlacedTensor]]:
+        return [(self.out_file, self.placed)]
+
+    @property
+    def nbytes_out(self) -> int:
+        return self.placed.end - self.placed.start
+
+    @property
+    def read_order(self) -> tuple[str, int]:
+        return self.parts[0][0], self.parts[0][1].start
+
+    def chunk_rows(self, chunk_bytes: int = CHUNK_BYTES) -> int:
+        shape = self.placed.tensor.shape
+        if not shape:
+            return 1
+        row_bytes = self.nbytes_out // max(shape[0], 1)
+        return max(1, chunk_bytes // max(row_bytes, 1))
+
+    def memory(self, chunk_bytes: int = CHUNK_BYTES) -> int:
+        """The parts' rows of one run, and their concatenation."""
+        shape = self.placed.tensor.shape
+        rows = min(self.chunk_rows(chunk_bytes), shape[0] if shape else 1)
+        return 2 * (self.nbytes_out // max(shape[0] if shape else 1, 1)) * rows
+
+    def run(self, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
+            chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
+        return run_gather(self, inputs, staging, chunk_bytes)
+
+
+def make_tasks(plan: Plan, inputs: ShardFiles, done: set[tuple[str, str]], published: set[str],
+               files: set[str] | None = None) -> list[Task | GatherTask]:
+    """Group the pieces still to write (optionally only those of `files`) by what they are made from."""
+    tasks: dict[tuple, Task] = {}
+    gathers: list[GatherTask] = []
+    for f in plan.files:
+        if f.name in published or (files is not None and f.name not in files):
+            continue
+        for p in f.tensors:
+            if (f.name, p.tensor.name) in done:
+                continue
+            t = p.tensor
+            if t.parts:
+                gathers.append(GatherTask(f.name, p, [(file, inputs.info(file, name)) for file, name in t.parts],
+                                          t.concat_dim))
+                continue
+            key = (t.source, t.transform, t.scale, t.dtype if t.transform else None)
+            task = tasks.get(key)
+            if task is None:
+                src = inputs.source(t.source)
+                scale = inputs.source(t.scale) if t.scale else None
+                task = tasks[key] = Task(t.source, src.file, src.info, t.transform, t.scale,
+                                         scale.file if scale else None, scale.info if scale else None, t.dtype)
+            task.pieces.append((f.name, p))
+    return [*tasks.values(), *gathers]
+
+
+def read_rows(inputs: ShardFiles, file: str, info: TensorInfo, r0: int, r1: int,
+              into: np.ndarray | None = None) -> np.ndarray:
+    """Rows [r0, r1) of dim 0 (the whole tensor for a scalar) as a numpy array in the dtype's
+    carrier: one contiguous byte range, read into the front of `into` (a worker's pinned buffer)
+    when given."""
+    if not info.shape:
+        return array_from_bytes(inputs.read_from(file, info.name), info.dtype, info.shape)
+    row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+    nbytes = (r1 - r0) * row_bytes
+    out = into[:nbytes] if into is not None and nbytes else None
+    buf = read_bytes(inputs.fd(file), info.start + r0 * row_bytes, nbytes, inputs.root / file, out=out)
+    return array_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
+
+
+def _needed_rows(task: Task, n_rows: int) -> tuple[int, int]:
+    lo, hi = n_rows, 0
+    for _, p in task.pieces:
+        nar = p.tensor.narrow
+        a, b = (nar[1], nar[1] + nar[2]) if nar is not None and nar[0] == 0 else (0, n_rows)
+        lo, hi = min(lo, a), max(hi, b)
+    return lo, hi
+
+
+def _check_scale_values(inputs: ShardFiles, task: Task, scale: np.ndarray) -> None:
+    if not (np.isfinite(scale).all() and (scale > 0).all()):
+        raise InputError("scale holds non-finite or non-positive values", file=inputs.root / task.scale_file,
+                         tensor=task.scale, fix="the checkpoint is corrupt; re-download this shard")
+
+
+def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
+             chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
+    """Stream one task's rows: read, transform (on `gpu` when given and started, else the CPU), write."""
+    clock = staging.timings
+    info = task.info
+    if task.transform in QUANTIZE_TRANSFORMS:  # torch code (the quantize kernels), on the whole tensor
+        import torch
+
+        from ckpttool.io.safetensors import tensor_from_bytes
+
+        with clock.activity("read"):
+            x = tensor_from_bytes(inputs.read_from(task.file, task.source), info.dtype, info.shape)
+        with clock.activity("transform"):
+            x = QUANTIZE_TRANSFORMS[task.transform](x)
+        with clock.activity("write"):
+            for file, placed in task.pieces:
+                y = x if placed.tensor.narrow is None else x.narrow(*placed.tensor.narrow)
+                staging.pwrite(file, y.contiguous().reshape(-1).view(torch.uint8).numpy(), placed.start)
+        return list(task.pieces)
+    n_rows = task.rows
+    lo, hi = _needed_rows(task, n_rows)
+    fmt = BY_NAME[task.transform] if task.transform else None
+    if fmt is not None:
+        lo = lo // fmt.row_align * fmt.row_align
+    scale_full = None
+    if task.scale is not None and fmt is not None and fmt.scale_whole:
+        scale_info = task.scale_info
+        scale_full = array_from_bytes(inputs.read_from(task.scale_file, task.scale), scale_info.dtype, scale_info.shape)
+        _check_scale_values(inputs, task, scale_full)  # tiny: one float per block
+    step = task.chunk_rows(chunk_bytes)
+    scale_dtype = task.scale_info.dtype if task.scale_info is not None else None
+    scalar = not info.shape
+    if fmt is not None and not scalar:
+        in_row_bytes = info.nbytes // max(n_rows, 1)
+        out_row_bytes = fmt.out_per_source_row(info.shape) * itemsize(task.out_dtype)
+    for r0 in range(lo, hi, step):
+        r1 = min(r0 + step, hi)
+        with clock.activity("read"):
+            pinned = None
+            if gpu is not None and fmt is not None and not scalar:
+                rows_in, rows_out = (r1 - r0) * in_row_bytes, (r1 - r0) * out_row_bytes
+                pinned = gpu.staging(max(rows_in, rows_out))
+            x = read_rows(inputs, task.file, info, r0, r1, pinned)
+            if fmt is not None:
+                s0, s1 = fmt.scale_rows(r0, r1)
+                scale = scale_full[s0:s1] if scale_full is not None else \
+                    read_rows(inputs, task.scale_file, task.scale_info, s0, s1)
+        if fmt is not None:
+            with clock.activity("transform"):
+                try:
+                    x = (gpu.apply(fmt, x, scale, info.dtype, scale_dtype, task.out_dtype) if gpu is not None
+                         else fmt.cpu(x, scale, info.dtype, task.out_dtype))
+                except NaNCodes as exc:  # the kernel saw rows r0.. of the tensor
+                    raise NaNCodes(None if exc.row is None else r0 + exc.row,
+                                   file=inputs.root / task.file, tensor=task.source) from None
+        with clock.activity("write"):
+            _write_rows(task, x, r0, r1, staging)
+    return list(task.pieces)
+
+
+def _write_rows(task: Task, x: np.ndarray, r0: int, r1: int, staging: Staging) -> None:
+    """Each piece's share of rows [r0, r1) of the (transformed) source, at its planned offset."""
+    for file, placed in task.pieces:
+        t = placed.tensor
+        row_bytes = (placed.end - placed.start) // t.shape[0] if t.shape and t.shape[0] else 0
+        nar = t.narrow
+        if not x.ndim:
+            y, offset = x, placed.start
+        elif nar is None:
+            y, offset = x, placed.start + r0 * row_bytes
+        elif nar[0] == 0:
+            a, b = max(r0, nar[1]), min(r1, nar[1] + nar[2])
+            if a >= b:
+                continue
+            y, offset = x[a - r0: b - r0], placed.start + (a - nar[1]) * row_bytes
+        else:
+            dim, start, length = nar
+            y, offset = x[(slice(None),) * dim + (slice(start, start + length),)], placed.start + r0 * row_bytes
+        if y.size:
+            staging.pwrite(file, np.ascontiguousarray(y).reshape(-1).view(np.uint8), offset)
+
+
+def run_gather(task: GatherTask, inputs: ShardFiles, staging: Staging,
+               chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
+    """Stream one merged tensor: rows of each part (a part's rows are contiguous bytes), concatenated
+    along the split dim, written at their offsets. Along dim 0 the parts simply follow each other."""
+    clock, placed = staging.timings, task.placed
+    shape = placed.tensor.shape
+    step = task.chunk_rows(chunk_bytes)
+    if task.concat_dim == 0 or len(task.parts) == 1 or not shape:
+        offset = placed.start
+        for file, info in task.parts:
+            rows = info.shape[0] if info.shape else 1
+            row_bytes = info.nbytes // max(rows, 1)
+            for r0 in range(0, rows, step):
+                r1 = min(r0 + step, rows)
+                with clock.activity("read"):
+                    x = read_rows(inputs, file, info, r0, r1)
+                with clock.activity("write"):
+                    staging.pwrite(task.out_file, x.reshape(-1).view(np.uint8), offset + r0 * row_bytes)
+            offset += info.nbytes
+        return task.pieces
+    row_bytes = task.nbytes_out // shape[0]
+    for r0 in range(0, shape[0], step):
+        r1 = min(r0 + step, shape[0])
+        with clock.activity("read"):
+            xs = [read_rows(inputs, file, info, r0, r1) for file, info in task.parts]
+        with clock.activity("transform"):
+            y = np.concatenate(xs, axis=task.concat_dim)
+        with clock.activity("write"):
+            staging.pwrite(task.out_file, y.reshape(-1).view(np.uint8), placed.start + r0 * row_bytes)
+    return task.pieces

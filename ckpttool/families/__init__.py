@@ -1,0 +1,1 @@
+"""Model families: one folder each, listed in families/table.py."""

@@ -1,0 +1,133 @@
+"""What the planner, the recipe schema and verify ask of a model family: one `Family` row each.
+
+A family's home is its folder (families/<name>/): `spec.py` (config read as transformers reads it,
+key table, expected shapes, mp rules, and the `FAMILY` row), `model.py` (the bundled torch model
+verify runs) and `weights.py` (loading shards or an HF checkpoint into it). The rows are listed in
+families/table.py, the one table every command reads.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ckpttool.errors import InputError, PlanError
+from ckpttool.families.keymap import KeyMap
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """A split along whole heads: `dim` is `heads` equal groups, where `count` names the field of the
+    parsed config holding `heads`. Ranks take contiguous heads; with fewer heads than ranks and
+    `replicate`, rank r takes head r * heads // mp (GQA: each rank gets the KV head its queries use)."""
+
+    dim: int
+    count: str
+    replicate: bool = False
+
+    def ranges(self, size: int, heads: int, mp: int) -> list[tuple[int, int]] | str:
+        """(start, length) along `dim` per rank, or why no such cut exists."""
+        if heads <= 0 or size % heads:
+            return f"dim {self.dim} ({size}) is not {heads} whole heads"
+        group = size // heads
+        if heads % mp == 0:
+            part = size // mp
+            return [(r * part, part) for r in range(mp)]
+        if self.replicate and mp % heads == 0:
+            return [((r * heads // mp) * group, group) for r in range(mp)]
+        need = f"mp dividing {heads}" + (f" or a multiple of {heads}" if self.replicate else "")
+        return f"{heads} heads ({self.count}) cannot be cut evenly over mp={mp}: choose an {need}"
+
+    def rank_ranges(self, weight_shape: tuple[int, ...], cfg, mp: int, *, tensor: str | None = None,
+                    file=None) -> list[tuple[int, int]]:
+        """(start, length) along `dim` of each rank's share of a weight (or bias) of a parsed config."""
+        ranges = self.ranges(weight_shape[self.dim], getattr(cfg, self.count), mp)
+        if isinstance(ranges, str):
+            raise PlanError(ranges, file=file, tensor=tensor, fix=f"choose an --mp that fits {self.count}")
+        return ranges
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verifier:
+    """verify's side of a family (torch code, imported only when verify runs)."""
+
+    load_args: Callable[[dict, object], Any]
+    """(config.json dict, its path) -> model args (with vocab_size, n_layers, eos_token_ids)"""
+    build: Callable[..., Any]
+    """(args, ParallelContext, dtype, attn_impl) -> model"""
+    load_shard: Callable[[Any, Path], None]
+    """(model, model{rank}-mp{N}.safetensors) -> None, strictly"""
+    load_hf: Callable[[Any, Path, int], None]
+    """(model, HF checkpoint dir, n_layers) -> None, strictly, at mp=1"""
+    weight_differences: Callable[..., list[str]]
+    """(model, ctx, HF dir, n_layers, shard path) -> what differs from the reference's slices"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    """config.json `model_type` values this family reads"""
+    key_map: KeyMap
+    parse_config: Callable[[dict, object], Any]
+    """HF config.json dict (and its path, for errors) -> a typed config."""
+    expected_shapes: Callable[[Any, bool], dict[str, tuple[int, ...]]]
+    """(config, with_mtp) -> every weight the checkpoint should hold; checked against the headers."""
+    is_mtp_tensor: Callable[[Any, str], bool]
+    num_experts: Callable[[Any], int]
+    vocab_size: Callable[[Any], int]
+    check_mp: Callable[[Any, int], None]
+    """Raise PlanError unless every cut at this mp is even along whole units (heads, experts, vocab):
+    tensor sizes alone can divide evenly and still cut a head in half."""
+    verifier: Callable[[], Verifier]
+    """verify's model and loaders, imported on first call (torch)"""
+    mtp_config_key: str | None = None
+    """config.json field counting MTP layers, zeroed when they are dropped."""
+    quantize: bool = False
+    """whether the quantize stage supports this family; which weights it quantizes is the key
+    table's LINEAR column (`quantizable`)"""
+
+    def quantizable(self, hf_name: str) -> bool:
+        return self.quantize and self.key_map.is_linear(hf_name)
+
+
+def attention_shapes(shapes: dict, prefix: str, hidden: int, q_out: int, kv_out: int, *,
+                     qkv_bias: bool, o_bias: bool) -> None:
+    """HF q/k/v/o projection shapes (and biases) of a standard multi-head / GQA attention block."""
+    for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+        shapes[f"{prefix}self_attn.{proj}.weight"] = (out, hidden)
+        if qkv_bias:
+            shapes[f"{prefix}self_attn.{proj}.bias"] = (out,)
+    shapes[f"{prefix}self_attn.o_proj.weight"] = (hidden, q_out)
+    if o_bias:
+        shapes[f"{prefix}self_attn.o_proj.bias"] = (hidden,)
+
+
+def layer_index(hf_name: str) -> int | None:
+    """The decoder-layer index of an HF tensor name, or None for embed/norm/head."""
+    parts = hf_name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def eos_ids(raw: dict) -> tuple[int, ...]:
+    """config.json's eos_token_id (an int, a list or absent) as a tuple."""
+    eos = raw.get("eos_token_id")
+    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+@contextmanager
+def config_fields(source: object):
+    """Reading a family's fields out of config.json: a missing or mistyped field becomes an error
+    naming the file, not a KeyError from deep inside a parser."""
+    try:
+        yield
+    except KeyError as exc:
+        raise InputError(f"config.json lacks required field {exc.args[0]!r}", file=source,
+                         fix="use the config.json published with the checkpoint") from None
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"config.json has a field of the wrong type: {exc}", file=source,
+                         fix="use the config.json published with the checkpoint") from None

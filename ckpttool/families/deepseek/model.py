@@ -1,0 +1,281 @@
+"""DeepSeek V2/V3 transformer (MLA + MoE) with tensor/expert parallelism, for verify.
+
+Parameter names are exactly those of the reference model.py, so `model{i}-mp{N}.safetensors` loads
+into `Transformer(args, ParallelContext(i, N))` one to one. Shapes: B batch, S new tokens,
+T cached positions, H local heads, E local experts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ckpttool.families.deepseek.args import ModelArgs, yarn_mscale
+from ckpttool.model.norms import RMSNorm
+from ckpttool.model.parallel import ColumnParallelLinear, Linear, ParallelContext, ParallelEmbedding, RowParallelLinear
+
+AttnImpl = Literal["absorb", "naive"]
+
+
+# -- rotary embedding --------------------------------------------------------------------------------
+def rope_frequencies(args: ModelArgs, max_seq_len: int) -> torch.Tensor:
+    """complex64 [max_seq_len, rope_dim / 2]: e^(i * pos * inv_freq), times YaRN's attention factor."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    attention_factor = 1.0
+    yarn = args.yarn
+    if yarn is not None:
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(yarn.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+        if yarn.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        # high-frequency dims keep their frequency (extrapolate), low-frequency dims are divided by factor
+        inv_freq = inv_freq / yarn.factor * ramp + inv_freq * (1 - ramp)
+        attention_factor = yarn.attention_factor
+        if attention_factor is None:
+            if yarn.mscale and yarn.mscale_all_dim:
+                attention_factor = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+            else:
+                attention_factor = yarn_mscale(yarn.factor)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return torch.polar(torch.full_like(angles, attention_factor), angles)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """x: [B, S, H, D], freqs: [S, D/2]. Pairs are (x0, x1), (x2, x3)... when interleaved, else
+    (x_i, x_{i + D/2}). Output layout may differ from the input's, identically for q and k."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    if interleave:
+        xc = torch.view_as_complex(xf.reshape(*x.shape[:-1], half, 2).contiguous())
+    else:
+        xc = torch.complex(xf[..., :half].contiguous(), xf[..., half:].contiguous())
+    y = xc * freqs.view(1, x.shape[1], 1, half)
+    out = torch.view_as_real(y).flatten(-2) if interleave else torch.cat([y.real, y.imag], dim=-1)
+    return out.to(x.dtype)
+
+
+# -- attention ---------------------------------------------------------------------------------------
+class MLA(nn.Module):
+    """Multi-head latent attention. `absorb` caches the normalised latent (kv_lora_rank per token) and
+    folds wkv_b into q and the output; `naive` expands keys/values per head and caches those."""
+
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, dtype: torch.dtype, attn_impl: AttnImpl):
+        super().__init__()
+        self.args, self.attn_impl = args, attn_impl
+        self.n_local_heads = ctx.split(args.n_heads, "num_attention_heads")
+        q_out = args.n_heads * args.qk_head_dim
+        if args.q_lora_rank == 0:
+            self.wq = ColumnParallelLinear(ctx, args.dim, q_out, dtype, args.fp8)
+        else:
+            self.wq_a = Linear(args.dim, args.q_lora_rank, dtype, args.fp8)
+            self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps, dtype)
+            self.wq_b = ColumnParallelLinear(ctx, args.q_lora_rank, q_out, dtype, args.fp8)
+        self.wkv_a = Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, dtype, args.fp8)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps, dtype)
+        self.wkv_b = ColumnParallelLinear(ctx, args.kv_lora_rank,
+                                          args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), dtype, args.fp8)
+        self.wo = RowParallelLinear(ctx, args.n_heads * args.v_head_dim, args.dim, dtype, args.fp8)
+        self.softmax_scale = args.softmax_scale
+
+    def setup_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        a, h = self.args, self.n_local_heads
+        if self.attn_impl == "naive":
+            shapes = {"k_cache": (batch, max_seq_len, h, a.qk_head_dim), "v_cache": (batch, max_seq_len, h, a.v_head_dim)}
+        else:
+            shapes = {"kv_cache": (batch, max_seq_len, a.kv_lora_rank), "pe_cache": (batch, max_seq_len, a.qk_rope_head_dim)}
+        for name, shape in shapes.items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def forward(self, x: torch.Tensor, start_pos: int, freqs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        a = self.args
+        bsz, seqlen, _ = x.shape
+        end = start_pos + seqlen
+        q = self.wq(x) if a.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(bsz, seqlen, self.n_local_heads, a.qk_head_dim)
+        q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        q_pe = apply_rope(q_pe, freqs, a.rope_interleave)  # [B, S, H, rope]
+        kv, k_pe = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        k_pe = apply_rope(k_pe.unsqueeze(2), freqs, a.rope_interleave)  # [B, S, 1, rope], shared by heads
+        kv = self.kv_norm(kv)  # [B, S, kv_lora_rank]
+
+        if self.attn_impl == "naive":
+            kv = self.wkv_b(kv).view(bsz, seqlen, self.n_local_heads, a.qk_nope_head_dim + a.v_head_dim)
+            k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+            self.k_cache[:bsz, start_pos:end] = torch.cat([k_nope, k_pe.expand(-1, -1, self.n_local_heads, -1)], -1)
+            self.v_cache[:bsz, start_pos:end] = v
+            q = torch.cat([q_nope, q_pe], dim=-1)
+            scores = torch.einsum("bshd,bthd->bsht", q, self.k_cache[:bsz, :end])
+        else:
+            wkv_b = self.wkv_b.dense_weight().view(self.n_local_heads, -1, a.kv_lora_rank)  # [H, nope + v, c]
+            q_latent = torch.einsum("bshd,hdc->bshc", q_nope, wkv_b[:, : a.qk_nope_head_dim])
+            self.kv_cache[:bsz, start_pos:end] = kv
+            self.pe_cache[:bsz, start_pos:end] = k_pe.squeeze(2)
+            scores = (torch.einsum("bshc,btc->bsht", q_latent, self.kv_cache[:bsz, :end])
+                      + torch.einsum("bshr,btr->bsht", q_pe, self.pe_cache[:bsz, :end]))
+        scores = scores * self.softmax_scale  # [B, S, H, T]
+        if mask is not None:
+            scores = scores + mask.unsqueeze(1)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).type_as(x)
+        if self.attn_impl == "naive":
+            out = torch.einsum("bsht,bthd->bshd", probs, self.v_cache[:bsz, :end])
+        else:
+            out = torch.einsum("bsht,btc->bshc", probs, self.kv_cache[:bsz, :end])
+            out = torch.einsum("bshc,hdc->bshd", out, wkv_b[:, -a.v_head_dim:])
+        return self.wo(out.flatten(2))  # [B, S, dim], summed over ranks
+
+
+# -- feed-forward ------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    """SwiGLU, tensor-parallel: w1/w3 by column, w2 by row."""
+
+    def __init__(self, ctx: ParallelContext, dim: int, inter_dim: int, dtype: torch.dtype, fp8: bool):
+        super().__init__()
+        self.w1 = ColumnParallelLinear(ctx, dim, inter_dim, dtype, fp8, what="intermediate_size")
+        self.w2 = RowParallelLinear(ctx, inter_dim, dim, dtype, fp8, what="intermediate_size")
+        self.w3 = ColumnParallelLinear(ctx, dim, inter_dim, dtype, fp8, what="intermediate_size")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Expert(nn.Module):
+    """One routed expert: whole (unsplit) SwiGLU weights on the rank that owns it."""
+
+    def __init__(self, dim: int, inter_dim: int, dtype: torch.dtype, fp8: bool):
+        super().__init__()
+        self.w1 = Linear(dim, inter_dim, dtype, fp8)
+        self.w2 = Linear(inter_dim, dim, dtype, fp8)
+        self.w3 = Linear(dim, inter_dim, dtype, fp8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Gate(nn.Module):
+    """Router, in float32: score, optional correction bias and group limit for the choice, top-k;
+    the weights come from the unbiased scores."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=dtype), requires_grad=False)
+        if args.correction_bias:
+            self.bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        logits = F.linear(x.float(), self.weight.float())  # [N, n_routed_experts]
+        scores = logits.softmax(dim=-1) if a.score_func == "softmax" else logits.sigmoid()
+        choice = scores if self.bias is None else scores + self.bias
+        if a.n_expert_groups > 1:
+            grouped = choice.view(x.shape[0], a.n_expert_groups, -1)  # [N, G, experts per group]
+            if a.group_score == "top2_sum":
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            else:
+                group_scores = grouped.amax(dim=-1)
+            kept = group_scores.topk(a.n_limited_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        indices = choice.topk(a.n_activated_experts, dim=-1).indices  # [N, k]
+        weights = scores.gather(1, indices)
+        if a.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * a.route_scale).to(x.dtype), indices
+
+
+class MoE(nn.Module):
+    """Routed experts split by contiguous ranges across ranks (expert parallel) plus shared experts
+    (tensor parallel); the routed partial sums are all-reduced."""
+
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, dtype: torch.dtype):
+        super().__init__()
+        self.ctx = ctx
+        n_local = ctx.split(args.n_routed_experts, "n_routed_experts")
+        self.first_expert = ctx.rank * n_local
+        self.gate = Gate(args, dtype)
+        self.experts = nn.ModuleDict({str(e): Expert(args.dim, args.moe_inter_dim, dtype, args.fp8)
+                                      for e in range(self.first_expert, self.first_expert + n_local)})
+        self.shared_experts = (MLP(ctx, args.dim, args.n_shared_experts * args.moe_inter_dim, dtype, args.fp8)
+                               if args.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [N, dim]
+        weights, indices = self.gate(flat)
+        y = torch.zeros_like(flat)
+        for name, expert in self.experts.items():
+            token, slot = torch.where(indices == int(name))
+            if token.numel():
+                y.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+        y = self.ctx.all_reduce(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view_as(x)
+
+
+# -- the model ---------------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, layer: int, args: ModelArgs, ctx: ParallelContext, dtype: torch.dtype, attn_impl: AttnImpl):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.attn = MLA(args, ctx, dtype, attn_impl)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.ffn = MoE(args, ctx, dtype) if args.moe_layers[layer] else MLP(ctx, args.dim, args.inter_dim, dtype, args.fp8)
+
+    def forward(self, x: torch.Tensor, start_pos: int, freqs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), start_pos, freqs, mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Embedding, blocks, final norm and a vocabulary-parallel head whose slices are all-gathered."""
+
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, *, dtype: torch.dtype = torch.bfloat16,
+                 attn_impl: AttnImpl = "absorb"):
+        super().__init__()
+        self.args, self.ctx, self.dtype = args, ctx, dtype
+        self.embed = ParallelEmbedding(ctx, args.vocab_size, args.dim, dtype)
+        self.layers = nn.ModuleList(Block(i, args, ctx, dtype, attn_impl) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, dtype)
+        self.head = ColumnParallelLinear(ctx, args.dim, args.vocab_size, dtype, what="vocab_size")
+        self.max_seq_len = 0
+
+    def setup_caches(self, batch: int, max_seq_len: int) -> None:
+        """Allocate KV caches and rope frequencies; call after loading weights, before forward."""
+        device = self.embed.weight.device
+        self.max_seq_len = max_seq_len
+        self.register_buffer("freqs", rope_frequencies(self.args, max_seq_len).to(device), persistent=False)
+        for block in self.layers:
+            block.attn.setup_cache(batch, max_seq_len, self.dtype, device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, all_positions: bool = False) -> torch.Tensor:
+        """tokens: [B, S] at positions start_pos.. -> float32 logits [B, V] for the last position,
+        or [B, S, V] for every position."""
+        seqlen = tokens.shape[1]
+        end = start_pos + seqlen
+        if end > self.max_seq_len:
+            raise ValueError(f"position {end} exceeds the cache of {self.max_seq_len}; call setup_caches")
+        h = self.embed(tokens)
+        freqs = self.freqs[start_pos:end]
+        mask = None
+        if seqlen > 1:  # new token i (absolute start_pos + i) sees cached positions t <= start_pos + i
+            mask = torch.full((seqlen, end), float("-inf"), device=tokens.device).triu_(start_pos + 1)
+        for block in self.layers:
+            h = block(h, start_pos, freqs, mask)
+        h = self.norm(h)
+        if not all_positions:
+            h = h[:, -1]
+        return self.ctx.all_gather_last_dim(self.head(h)).float()

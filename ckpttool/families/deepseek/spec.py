@@ -1,0 +1,222 @@
+"""DeepSeek V2 / V2-Lite / V3 / R1: config, tensor shapes and the HF <-> reference-mp key table.
+
+The key table carries rename and shard together, exactly as the reference convert.py does:
+`(hf template, native template, split)` where split is a dim to cut for tensor parallelism,
+`EXPERT` for routed experts (whole tensors, distributed by contiguous expert range) or None
+(replicated). `{layer}` and `{expert}` are the only placeholders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckpttool.families.base import Family, config_fields, layer_index
+from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
+from ckpttool.errors import PlanError
+
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+_ATTN = [
+    ("self_attn.q_proj.weight", "attn.wq.weight", 0, LINEAR),
+    ("self_attn.q_a_proj.weight", "attn.wq_a.weight", None, LINEAR),
+    ("self_attn.q_a_layernorm.weight", "attn.q_norm.weight", None),
+    ("self_attn.q_b_proj.weight", "attn.wq_b.weight", 0, LINEAR),
+    ("self_attn.kv_a_proj_with_mqa.weight", "attn.wkv_a.weight", None, LINEAR),
+    ("self_attn.kv_a_layernorm.weight", "attn.kv_norm.weight", None),
+    ("self_attn.kv_b_proj.weight", "attn.wkv_b.weight", 0, LINEAR),
+    ("self_attn.o_proj.weight", "attn.wo.weight", 1, LINEAR),
+]
+_MLP = [("gate_proj.weight", "w1.weight", 0, LINEAR), ("down_proj.weight", "w2.weight", 1, LINEAR),
+        ("up_proj.weight", "w3.weight", 0, LINEAR)]
+_MTP = [
+    ("enorm.weight", "enorm.weight", None),
+    ("hnorm.weight", "hnorm.weight", None),
+    ("eh_proj.weight", "eh_proj.weight", None, LINEAR),
+    ("embed_tokens.weight", "embed.weight", 0),
+    ("shared_head.norm.weight", "shared_head.norm.weight", None),
+    ("shared_head.head.weight", "shared_head.head.weight", 0),
+]
+
+
+def _layer_rows() -> list[tuple[str, str, object]]:
+    hf, nat = "model.layers.{layer}.", "layers.{layer}."
+    rows = [
+        (hf + "input_layernorm.weight", nat + "attn_norm.weight", None),
+        (hf + "post_attention_layernorm.weight", nat + "ffn_norm.weight", None),
+        (hf + "mlp.gate.weight", nat + "ffn.gate.weight", None),
+        (hf + "mlp.gate.e_score_correction_bias", nat + "ffn.gate.bias", None),
+    ]
+    rows += [(hf + a, nat + b, *rest) for a, b, *rest in _ATTN]
+    rows += [(hf + "mlp." + a, nat + "ffn." + b, *rest) for a, b, *rest in _MLP]
+    rows += [(hf + "mlp.shared_experts." + a, nat + "ffn.shared_experts." + b, *rest) for a, b, *rest in _MLP]
+    rows += [(hf + "mlp.experts.{expert}." + a, nat + "ffn.experts.{expert}." + b, EXPERT, LINEAR) for a, b, *_ in _MLP]
+    rows += [(hf + a, nat + b, *rest) for a, b, *rest in _MTP]
+    return rows
+
+
+KEY_TABLE: list[tuple] = [
+    ("model.embed_tokens.weight", "embed.weight", 0),
+    ("model.norm.weight", "norm.weight", None),
+    ("lm_head.weight", "head.weight", 0),
+    *_layer_rows(),
+]
+"""Weights only; each `*.weight` row implies its FP8 scale row (`*.weight_scale_inv` -> `*.scale`)."""
+KEY_MAP = KeyMap(KEY_TABLE)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DeepseekConfig:
+    """The fields of an HF DeepSeek V2/V3 config.json that decide tensor names, shapes and routing."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    num_nextn_predict_layers: int
+    has_correction_bias: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: object = "config.json") -> "DeepseekConfig":
+        with config_fields(source):
+            topk_method = raw.get("topk_method", "noaux_tc" if raw["model_type"] == "deepseek_v3" else "greedy")
+            return cls(
+                model_type=raw["model_type"],
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=int(raw["num_attention_heads"]),
+                n_routed_experts=int(raw["n_routed_experts"]),
+                n_shared_experts=int(raw.get("n_shared_experts") or 0),
+                num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
+                moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
+                q_lora_rank=int(raw["q_lora_rank"]) if raw.get("q_lora_rank") else None,
+                kv_lora_rank=int(raw["kv_lora_rank"]),
+                qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+                v_head_dim=int(raw["v_head_dim"]),
+                num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", 0)),
+                has_correction_bias=topk_method == "noaux_tc",
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer >= self.first_k_dense_replace
+            and layer % max(self.moe_layer_freq, 1) == 0
+        )
+
+    def is_mtp_layer(self, layer: int) -> bool:
+        return layer >= self.num_hidden_layers
+
+
+def hf_tensor_shapes(cfg: DeepseekConfig, *, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF DeepSeek checkpoint of this config holds (weights only, no FP8 scales)."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    n_layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
+    for layer in range(n_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.q_lora_rank:
+            shapes[p + "self_attn.q_a_proj.weight"] = (cfg.q_lora_rank, h)
+            shapes[p + "self_attn.q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            shapes[p + "self_attn.q_b_proj.weight"] = (heads * qk_head, cfg.q_lora_rank)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (heads * qk_head, h)
+        shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
+        shapes[p + "self_attn.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+        shapes[p + "self_attn.kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        shapes[p + "self_attn.o_proj.weight"] = (h, heads * cfg.v_head_dim)
+        if cfg.is_moe_layer(layer) or cfg.is_mtp_layer(layer):
+            inter = cfg.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (cfg.n_routed_experts, h)
+            if cfg.has_correction_bias:
+                shapes[p + "mlp.gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+            for e in range(cfg.n_routed_experts):
+                _mlp_shapes(shapes, f"{p}mlp.experts.{e}.", h, inter)
+            if cfg.n_shared_experts:
+                _mlp_shapes(shapes, p + "mlp.shared_experts.", h, inter * cfg.n_shared_experts)
+        else:
+            _mlp_shapes(shapes, p + "mlp.", h, cfg.intermediate_size)
+        if cfg.is_mtp_layer(layer):
+            shapes[p + "enorm.weight"] = (h,)
+            shapes[p + "hnorm.weight"] = (h,)
+            shapes[p + "eh_proj.weight"] = (h, 2 * h)
+            shapes[p + "embed_tokens.weight"] = (cfg.vocab_size, h)
+            shapes[p + "shared_head.norm.weight"] = (h,)
+            shapes[p + "shared_head.head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def _mlp_shapes(shapes: dict, prefix: str, hidden: int, inter: int) -> None:
+    shapes[prefix + "gate_proj.weight"] = (inter, hidden)
+    shapes[prefix + "up_proj.weight"] = (inter, hidden)
+    shapes[prefix + "down_proj.weight"] = (hidden, inter)
+
+
+def is_fp8_in_published_checkpoint(hf_name: str) -> bool:
+    """Which weights DeepSeek publishes as FP8 e4m3 with a 128x128 `weight_scale_inv`: the linear
+    projections of attention and MLP/experts (and MTP's eh_proj), the key table's LINEAR rows; not
+    embeddings, norms, router or head."""
+    return KEY_MAP.is_linear(hf_name)
+
+
+def _is_mtp_tensor(cfg: DeepseekConfig, hf_name: str) -> bool:
+    layer = layer_index(hf_name)
+    return layer is not None and cfg.is_mtp_layer(layer)
+
+
+def check_mp(cfg: DeepseekConfig, mp: int) -> None:
+    """Heads, routed experts and the vocabulary must split evenly; a size that divides is not enough
+    when it would cut a head (q_b rows are heads x 192)."""
+    for what, size in (("num_attention_heads", cfg.num_attention_heads), ("n_routed_experts", cfg.n_routed_experts),
+                       ("vocab_size", cfg.vocab_size)):
+        if size % mp:
+            raise PlanError(f"{what} ({size}) is not divisible by mp={mp}", file="config.json",
+                            fix=f"choose an --mp that divides {size}")
+
+
+def _verifier():
+    from ckpttool.families.deepseek.weights import VERIFIER
+
+    return VERIFIER
+
+
+FAMILY = Family(
+    name="deepseek",
+    model_types=MODEL_TYPES,
+    key_map=KEY_MAP,
+    parse_config=DeepseekConfig.from_dict,
+    expected_shapes=lambda cfg, with_mtp: hf_tensor_shapes(cfg, with_mtp=with_mtp),
+    is_mtp_tensor=_is_mtp_tensor,
+    num_experts=lambda cfg: cfg.n_routed_experts,
+    vocab_size=lambda cfg: cfg.vocab_size,
+    check_mp=check_mp,
+    verifier=_verifier,
+    mtp_config_key="num_nextn_predict_layers",
+)

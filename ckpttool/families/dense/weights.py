@@ -1,0 +1,58 @@
+"""verify's dense loaders: an mp shard (mp names as they are), a whole HF checkpoint at mp=1 through
+KEY_MAP, and the comparison of every loaded weight with its slice of a reference HF checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckpttool.families.base import HeadSplit, Verifier
+from ckpttool.families.dense.model import DenseArgs, DenseTransformer
+from ckpttool.families.dense.spec import KEY_MAP, DenseConfig, hf_tensor_shapes
+from ckpttool.io.checkpoint import Checkpoint
+from ckpttool.model.loading import check_tensors, load_mp_shard, reference_differences
+from ckpttool.model.parallel import ParallelContext
+
+
+def hf_source(native: str, ctx: ParallelContext, cfg: DenseConfig) -> tuple[str, tuple[int, int, int] | None]:
+    """The HF tensor a model parameter comes from, and the (dim, start, length) this rank holds of it."""
+    mapped = KEY_MAP.to_hf(native)
+    if mapped is None:
+        raise KeyError(f"no HF name for model parameter {native!r}")  # a model/table mismatch: a bug here
+    split = mapped.split
+    if split is None or ctx.world_size == 1:
+        return mapped.name, None
+    shape = hf_tensor_shapes(cfg)[mapped.hf_weight or mapped.name]
+    if isinstance(split, HeadSplit):
+        start, length = split.rank_ranges(shape, cfg, ctx.world_size)[ctx.rank]
+        dim = split.dim
+    else:
+        dim, length = split, shape[split] // ctx.world_size
+        start = ctx.rank * length
+    if mapped.companion is not None:
+        start, length = mapped.companion.scale_range(start, length)
+    return mapped.name, (dim, start, length)
+
+
+def load_hf_dense(model: DenseTransformer, directory: Path, n_layers: int = 0) -> None:
+    """Load a whole HF checkpoint into an mp=1 model, strictly (every parameter, nothing extra)."""
+    with Checkpoint(directory) as ckpt:
+        params = dict(model.named_parameters())
+        names = {hf_source(n, ParallelContext(), model.args.cfg)[0]: n for n in params}
+        check_tensors(params, {names.get(hf, hf): (hf, src.info) for hf, src in ckpt.tensors.items()}, directory)
+        for hf, name in names.items():
+            params[name].data.copy_(ckpt.read(hf))
+
+
+def dense_weight_differences(model: DenseTransformer, ctx: ParallelContext, reference: Path, n_layers: int,
+                             shard: Path) -> list[str]:
+    """Every loaded weight against its slice of the reference HF checkpoint (FP8 compared dequantized)."""
+    return reference_differences(model, reference, shard, lambda name, _: hf_source(name, ctx, model.args.cfg))
+
+
+VERIFIER = Verifier(
+    load_args=DenseArgs.from_hf_config,
+    build=lambda args, ctx, dtype, attn: DenseTransformer(args, ctx, dtype=dtype),
+    load_shard=load_mp_shard,
+    load_hf=load_hf_dense,
+    weight_differences=dense_weight_differences,
+)

@@ -1,0 +1,28 @@
+"""THE table of model families: the planner, the recipe schema (`arch:`) and verify all read it.
+
+Adding a family is one folder (families/<name>/: spec.py with its FAMILY row, model.py, weights.py)
+and one entry here. ARCHITECTURE.md walks through it.
+"""
+
+from __future__ import annotations
+
+from ckpttool.errors import InputError
+from ckpttool.families.base import Family
+from ckpttool.families.deepseek.spec import FAMILY as DEEPSEEK
+from ckpttool.families.dense.spec import FAMILY as DENSE
+from ckpttool.families.gpt_oss.spec import FAMILY as GPT_OSS
+
+FAMILIES: tuple[Family, ...] = (DEEPSEEK, DENSE, GPT_OSS)
+
+MODEL_TYPES: tuple[str, ...] = tuple(sorted(t for f in FAMILIES for t in f.model_types))
+"""every config.json model_type ckpttool reads"""
+
+
+def family_for(config: dict, source: object = "config.json") -> Family:
+    """The family of a config.json (its `model_type`); anything else is an error listing the supported ones."""
+    model_type = config.get("model_type")
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    raise InputError(f"unsupported model_type {model_type!r}", file=source,
+                     fix=f"supported: {', '.join(MODEL_TYPES)}; is config.json from this checkpoint?")

@@ -1,0 +1,135 @@
+"""Chain the stages into a Plan: headers in, complete output description out. Reads no weights."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from pathlib import Path
+
+from ckpttool.errors import InputError, PlanError
+from ckpttool.families.table import family_for
+from ckpttool.formats import quantized_config
+from ckpttool.io.checkpoint import Checkpoint, ShardFiles
+from ckpttool.io.layout import mp_file
+from ckpttool.plan import dequant as dequant_stage
+from ckpttool.plan import quantize as quantize_stage
+from ckpttool.plan.rewrite import files_to_copy, hf_index, rewrite_config
+from ckpttool.plan.shard import shard
+from ckpttool.plan.types import Plan, TensorPlan, layout
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """What to produce. Commands and recipes both reduce to one of these."""
+
+    dequant: bool = False
+    out_dtype: str = "BF16"
+    mp: int | None = None  # None: HF layout (input file names, index); N: model{i}-mp{N}.safetensors
+    keep_mtp: bool = False
+    arch: str = "auto"  # a recipe may pin the model_type it was written for
+    quantize: str | None = None  # fp8_block | int8 | int4: quantize linear weights (plan/quantize.py)
+    group_size: int = 128  # int4 group size
+
+    label = "converting"
+
+    def open(self, src: Path) -> Checkpoint:
+        """The inputs this job reads (headers only, until the executor reads tensors)."""
+        return Checkpoint(src)
+
+    def plan(self, ckpt: Checkpoint) -> Plan:
+        return make_plan(ckpt, self)
+
+
+def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
+    config_path = ckpt.root / "config.json"
+    if not ckpt.config:
+        raise InputError("config.json is missing", file=config_path,
+                         fix="copy the checkpoint's config.json beside its safetensors files")
+    family = family_for(ckpt.config, config_path)
+    if spec.arch != "auto" and ckpt.config.get("model_type") != spec.arch:
+        raise InputError(f"recipe is for {spec.arch}, but config.json says model_type "
+                         f"{ckpt.config.get('model_type')!r}", file=config_path,
+                         fix="use a recipe for this architecture, or --set arch=auto")
+    cfg = family.parse_config(ckpt.config, config_path)
+
+    tensors = [TensorPlan(name, s.info.dtype, s.info.shape, source=name, file=s.file)
+               for name, s in sorted(ckpt.tensors.items())]
+    dequant_stage.check_scales(tensors, ckpt)
+    _check_against_config(tensors, family, cfg, ckpt)
+    notes = []
+
+    mtp = [t for t in tensors if family.is_mtp_tensor(cfg, t.name)]
+    if mtp and not spec.keep_mtp:
+        dropped = {t.name for t in mtp}
+        tensors = [t for t in tensors if t.name not in dropped]
+        notes.append(f"dropped {len(dropped)} MTP tensors (keep them with --keep-mtp)")
+    if spec.dequant:
+        tensors, n_quant = dequant_stage.dequant(tensors, spec.out_dtype)
+        notes.append(f"dequantized {n_quant} quantized weights to {spec.out_dtype}" if n_quant else
+                     "no quantized weights found: tensors are copied unchanged")
+
+    if spec.quantize is not None:
+        if spec.mp is not None and spec.quantize != "fp8_block":
+            raise PlanError(f"{spec.quantize} output is HF layout only", fix="drop the shard stage, or use fp8_block")
+        n_before = len(tensors)
+        tensors = quantize_stage.quantize(tensors, family, spec.quantize, spec.group_size,
+                                          {t.name: str(ckpt.root / t.file) for t in tensors})
+        notes.append(f"quantized {len(tensors) - n_before} weights to {spec.quantize}")
+
+    input_order = sorted(ckpt.files)
+    if spec.mp is None:
+        files = layout(tensors, input_order)
+        index = hf_index(files)
+        fmt = "hf"
+    else:
+        files_of = {t.name: str(ckpt.root / t.file) for t in tensors}
+        tensors = shard([t.with_(file=None) for t in tensors], family, cfg, spec.mp, files_of)
+        files = layout(tensors, [mp_file(r, spec.mp) for r in range(spec.mp)])
+        index = None
+        fmt = "mp"
+
+    config = rewrite_config(ckpt.config, dequant_to=spec.out_dtype if spec.dequant else None,
+                            mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not spec.keep_mtp)
+    if spec.quantize is not None:
+        config = quantized_config(config, spec.quantize, spec.group_size)
+    return Plan(src=str(ckpt.root), files=files, inputs=input_fingerprints(ckpt), format=fmt, index=index,
+                config=config, copies=files_to_copy(ckpt.root), notes=notes)
+
+
+def input_fingerprints(inputs: ShardFiles) -> dict[str, dict]:
+    """input file name -> its size and the sha256 of its header: what --resume checks is unchanged."""
+    out = {}
+    for name, sf in sorted(inputs.files.items()):
+        with open(sf.path, "rb") as f:
+            header = f.read(sf.data_start)
+        out[name] = {"size": sf.path.stat().st_size, "header_sha256": hashlib.sha256(header).hexdigest()}
+    return out
+
+
+def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoint) -> None:
+    """The tensors must be exactly what config.json describes: a contradiction means the wrong
+    config, a partial download or a different model, and would otherwise surface much later."""
+    expected = family.expected_shapes(cfg, True)
+    scales = dequant_stage.scale_names(tensors)
+    actual = {t.name: t for t in tensors if t.name not in scales or t.name in expected}
+    config_path = ckpt.root / "config.json"
+    for name, t in actual.items():
+        if name not in expected:
+            raise PlanError("tensor is not part of the model config.json describes", file=ckpt.root / t.file,
+                            tensor=name, fix="check that config.json belongs to this checkpoint")
+        if tuple(expected[name]) != t.shape:
+            raise InputError(f"shape {list(t.shape)} contradicts config.json, which implies {list(expected[name])}",
+                             file=ckpt.root / t.file, tensor=name,
+                             fix=f"check that {config_path} belongs to this checkpoint")
+    missing = set(expected) - set(actual)
+    mtp = {n for n in expected if family.is_mtp_tensor(cfg, n)}
+    if mtp <= missing:  # MTP layers left out entirely (e.g. by a download filter) are as good as dropped
+        missing -= mtp
+    missing = sorted(missing)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise InputError(f"config.json implies tensor {missing[0]!r}{more}, absent from the checkpoint",
+                         file=ckpt.root, tensor=missing[0],
+                         fix="finish the download (every shard listed in the index) or fix config.json")
+

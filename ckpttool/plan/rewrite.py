@@ -1,0 +1,43 @@
+"""The non-tensor outputs: rewritten config.json, the HF index, and files copied unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckpttool.io.layout import INDEX_NAME, MANIFEST
+from ckpttool.plan.types import OutFile
+
+TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+_HANDLED = {"config.json", INDEX_NAME, MANIFEST}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+def rewrite_config(config: dict, *, dequant_to: str | None, mtp_key: str | None, mtp_dropped: bool) -> dict:
+    """A config that tells the truth about the output: no quantization_config once dequantized,
+    the real dtype, and no MTP layers counted once they are dropped."""
+    config = dict(config)
+    if dequant_to is not None:
+        config.pop("quantization_config", None)
+        config["torch_dtype"] = TORCH_DTYPE_NAMES[dequant_to]
+        if "dtype" in config:
+            config["dtype"] = TORCH_DTYPE_NAMES[dequant_to]
+    if mtp_dropped and mtp_key and config.get(mtp_key):
+        config[mtp_key] = 0
+    return config
+
+
+def hf_index(files: list[OutFile]) -> dict:
+    weight_map = {p.tensor.name: f.name for f in files for p in f.tensors}
+    total = sum(p.end - p.start for f in files for p in f.tensors)
+    return {"metadata": {"total_size": total, "format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def files_to_copy(src: Path) -> list[str]:
+    """Top-level files a loader needs beside the weights (tokenizer, generation config, chat
+    templates, remote code, license): everything except weights and what the plan rewrites."""
+    keep = []
+    for p in sorted(src.iterdir()):
+        if not p.is_file() or p.name.startswith(".") or p.name in _HANDLED or p.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        keep.append(p.name)
+    return keep
