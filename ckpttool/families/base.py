@@ -1,9 +1,9 @@
 """What the planner, the recipe schema and verify ask of a model family: one `Family` row each.
 
-A family's home is its folder (families/<name>/): `spec.py` (config read as transformers reads it,
-key table, expected shapes, mp rules, and the `FAMILY` row), `model.py` (the bundled torch model
-verify runs) and `weights.py` (loading shards or an HF checkpoint into it). The rows are listed in
-families/table.py, the one table every command reads.
+A family's home is its folder (families/<name>/): its `FAMILY` row in `__init__.py`, `spec.py`
+(config read as transformers reads it, key table, expected shapes, mp rules), `model.py` (the bundled
+torch model verify runs), `weights.py` (loading shards or an HF checkpoint into it) and `demo.py`
+(tiny real checkpoints). The rows are listed in families/table.py, the one table every command reads.
 """
 
 from __future__ import annotations

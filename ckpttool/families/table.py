@@ -1,16 +1,16 @@
 """THE table of model families: the planner, the recipe schema (`arch:`) and verify all read it.
 
-Adding a family is one folder (families/<name>/: spec.py with its FAMILY row, model.py, weights.py)
-and one entry here. ARCHITECTURE.md walks through it.
+Adding a family is one folder (families/<name>/: its FAMILY row in __init__.py, spec.py, model.py,
+weights.py, demo.py) and one entry here. ARCHITECTURE.md walks through it.
 """
 
 from __future__ import annotations
 
 from ckpttool.errors import InputError
 from ckpttool.families.base import Family
-from ckpttool.families.deepseek.spec import FAMILY as DEEPSEEK
-from ckpttool.families.dense.spec import FAMILY as DENSE
-from ckpttool.families.gpt_oss.spec import FAMILY as GPT_OSS
+from ckpttool.families.deepseek import FAMILY as DEEPSEEK
+from ckpttool.families.dense import FAMILY as DENSE
+from ckpttool.families.gpt_oss import FAMILY as GPT_OSS
 
 FAMILIES: tuple[Family, ...] = (DEEPSEEK, DENSE, GPT_OSS)
 

@@ -1,1 +1,32 @@
-"""DeepSeek V2 / V2-Lite / V3 / R1 and Kimi-K2 (MLA attention, routed + shared experts, MTP layers)."""
+"""DeepSeek V2 / V2-Lite / V3 / R1 and Kimi-K2 (MLA attention, routed + shared experts, MTP layers).
+
+Its home: spec.py (config.json read as transformers reads it, key table, expected shapes, mp rules),
+model.py (the bundled model verify runs), weights.py (loading shards or an HF checkpoint into it),
+demo.py (tiny real checkpoints), and the FAMILY row below, listed in families/table.py.
+"""
+
+from __future__ import annotations
+
+from ckpttool.families.base import Family, Verifier
+from ckpttool.families.deepseek import spec
+
+
+def _verifier() -> Verifier:
+    from ckpttool.families.deepseek.weights import VERIFIER
+
+    return VERIFIER
+
+
+FAMILY = Family(
+    name="deepseek",
+    model_types=spec.MODEL_TYPES,
+    key_map=spec.KEY_MAP,
+    parse_config=spec.DeepseekConfig.from_dict,
+    expected_shapes=lambda cfg, with_mtp: spec.hf_tensor_shapes(cfg, with_mtp=with_mtp),
+    is_mtp_tensor=spec.is_mtp_tensor,
+    num_experts=lambda cfg: cfg.n_routed_experts,
+    vocab_size=lambda cfg: cfg.vocab_size,
+    check_mp=spec.check_mp,
+    verifier=_verifier,
+    mtp_config_key="num_nextn_predict_layers",
+)

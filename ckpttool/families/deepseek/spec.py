@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpttool.families.base import Family, config_fields, layer_index
+from ckpttool.families.base import config_fields, layer_index
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 from ckpttool.errors import PlanError
 
@@ -186,7 +186,7 @@ def is_fp8_in_published_checkpoint(hf_name: str) -> bool:
     return KEY_MAP.is_linear(hf_name)
 
 
-def _is_mtp_tensor(cfg: DeepseekConfig, hf_name: str) -> bool:
+def is_mtp_tensor(cfg: DeepseekConfig, hf_name: str) -> bool:
     layer = layer_index(hf_name)
     return layer is not None and cfg.is_mtp_layer(layer)
 
@@ -199,24 +199,3 @@ def check_mp(cfg: DeepseekConfig, mp: int) -> None:
         if size % mp:
             raise PlanError(f"{what} ({size}) is not divisible by mp={mp}", file="config.json",
                             fix=f"choose an --mp that divides {size}")
-
-
-def _verifier():
-    from ckpttool.families.deepseek.weights import VERIFIER
-
-    return VERIFIER
-
-
-FAMILY = Family(
-    name="deepseek",
-    model_types=MODEL_TYPES,
-    key_map=KEY_MAP,
-    parse_config=DeepseekConfig.from_dict,
-    expected_shapes=lambda cfg, with_mtp: hf_tensor_shapes(cfg, with_mtp=with_mtp),
-    is_mtp_tensor=_is_mtp_tensor,
-    num_experts=lambda cfg: cfg.n_routed_experts,
-    vocab_size=lambda cfg: cfg.vocab_size,
-    check_mp=check_mp,
-    verifier=_verifier,
-    mtp_config_key="num_nextn_predict_layers",
-)

@@ -1,1 +1,32 @@
-"""Dense decoders: Llama, Mistral, Qwen2, Qwen3 (GQA attention, SwiGLU MLP)."""
+"""Dense decoders: Llama, Mistral, Qwen2, Qwen3 (GQA attention, SwiGLU MLP).
+
+Its home: spec.py (config.json read as transformers reads it, key table, expected shapes, mp rules),
+model.py (the bundled model verify runs), weights.py (loading shards or an HF checkpoint into it),
+demo.py (tiny real checkpoints), and the FAMILY row below, listed in families/table.py.
+"""
+
+from __future__ import annotations
+
+from ckpttool.families.base import Family, Verifier
+from ckpttool.families.dense import spec
+
+
+def _verifier() -> Verifier:
+    from ckpttool.families.dense.weights import VERIFIER
+
+    return VERIFIER
+
+
+FAMILY = Family(
+    name="dense",
+    model_types=spec.MODEL_TYPES,
+    key_map=spec.KEY_MAP,
+    parse_config=spec.DenseConfig.from_dict,
+    expected_shapes=lambda cfg, with_mtp: spec.hf_tensor_shapes(cfg),
+    is_mtp_tensor=lambda cfg, name: False,
+    num_experts=lambda cfg: 0,
+    vocab_size=lambda cfg: cfg.vocab_size,
+    check_mp=spec.check_mp,
+    verifier=_verifier,
+    quantize=True,
+)

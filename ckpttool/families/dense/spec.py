@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpttool.families.base import Family, HeadSplit, attention_shapes, config_fields
+from ckpttool.families.base import HeadSplit, attention_shapes, config_fields
 from ckpttool.families.keymap import LINEAR, KeyMap
 from ckpttool.errors import InputError, PlanError
 
@@ -139,24 +139,3 @@ def check_mp(cfg: DenseConfig, mp: int) -> None:
         if size % mp:
             raise PlanError(f"{what} ({size}) is not divisible by mp={mp}", file="config.json",
                             fix=f"choose an --mp that divides {size}")
-
-
-def _verifier():
-    from ckpttool.families.dense.weights import VERIFIER
-
-    return VERIFIER
-
-
-FAMILY = Family(
-    name="dense",
-    model_types=MODEL_TYPES,
-    key_map=KEY_MAP,
-    parse_config=DenseConfig.from_dict,
-    expected_shapes=lambda cfg, with_mtp: hf_tensor_shapes(cfg),
-    is_mtp_tensor=lambda cfg, name: False,
-    num_experts=lambda cfg: 0,
-    vocab_size=lambda cfg: cfg.vocab_size,
-    check_mp=check_mp,
-    verifier=_verifier,
-    quantize=True,
-)

@@ -1,1 +1,31 @@
-"""gpt-oss (openai/gpt-oss-20b, -120b): GQA with sinks, sliding windows, MXFP4 stacked experts."""
+"""gpt-oss (openai/gpt-oss-20b, -120b): GQA with sinks, sliding windows, MXFP4 stacked experts.
+
+Its home: spec.py (config.json read as transformers reads it, key table, expected shapes, mp rules),
+model.py (the bundled model verify runs), weights.py (loading shards or an HF checkpoint into it),
+demo.py (tiny real checkpoints), and the FAMILY row below, listed in families/table.py.
+"""
+
+from __future__ import annotations
+
+from ckpttool.families.base import Family, Verifier
+from ckpttool.families.gpt_oss import spec
+
+
+def _verifier() -> Verifier:
+    from ckpttool.families.gpt_oss.weights import VERIFIER
+
+    return VERIFIER
+
+
+FAMILY = Family(
+    name="gpt-oss",
+    model_types=("gpt_oss",),
+    key_map=spec.KEY_MAP,
+    parse_config=spec.GptOssConfig.from_dict,
+    expected_shapes=lambda cfg, with_mtp: spec.hf_tensor_shapes(cfg),
+    is_mtp_tensor=lambda cfg, name: False,
+    num_experts=lambda cfg: cfg.num_local_experts,
+    vocab_size=lambda cfg: cfg.vocab_size,
+    check_mp=spec.check_mp,
+    verifier=_verifier,
+)

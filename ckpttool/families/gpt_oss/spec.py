@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpttool.families.base import Family, attention_shapes, config_fields
+from ckpttool.families.base import attention_shapes, config_fields
 from ckpttool.families.keymap import KeyMap
 from ckpttool.errors import InputError, PlanError
 from ckpttool.kernels.mxfp4 import VALUES_PER_BLOCK, check_mxfp4, dequant_mxfp4
@@ -315,23 +315,3 @@ def check_mp(cfg: GptOssConfig, mp: int) -> None:
                        ("num_local_experts", cfg.num_local_experts), ("vocab_size", cfg.vocab_size)):
         if size % mp:
             raise PlanError(f"{what} ({size}) is not divisible by mp={mp}", fix=f"choose an --mp that divides {what}")
-
-
-def _verifier():
-    from ckpttool.families.gpt_oss.weights import VERIFIER
-
-    return VERIFIER
-
-
-FAMILY = Family(
-    name="gpt-oss",
-    model_types=("gpt_oss",),
-    key_map=KEY_MAP,
-    parse_config=GptOssConfig.from_dict,
-    expected_shapes=lambda cfg, with_mtp: hf_tensor_shapes(cfg),
-    is_mtp_tensor=lambda cfg, name: False,
-    num_experts=lambda cfg: cfg.num_local_experts,
-    vocab_size=lambda cfg: cfg.vocab_size,
-    check_mp=check_mp,
-    verifier=_verifier,
-)
