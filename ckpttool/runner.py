@@ -134,6 +134,11 @@ def run(request: Request) -> RunReport | dict:
     return report
 
 
+def reports_here() -> bool:
+    """Under torchrun only rank 0 prints a report (every rank returns one)."""
+    return world()[0] == 0
+
+
 def resolve_input(recipe: Recipe, src: str | Path | None, *, quiet: bool) -> Path:
     """A local directory as it is; anything else is a hub repo id, downloaded (with the recipe's
     download options) into the HF cache."""

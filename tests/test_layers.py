@@ -15,7 +15,7 @@ PACKAGE = REPO / "ckpttool"
 LAYERS: list[set[str]] = [  # bottom to top; a module is in the layer of its longest matching prefix
     {"ckpttool", "ckpttool.errors", "ckpttool.dtypes", "ckpttool.defaults", "ckpttool.timing", "ckpttool.faults",
      "ckpttool.progress"},
-    {"ckpttool.io"},  # reads: safetensors, checkpoints, the names of ckpttool's own files
+    {"ckpttool.io"},  # reading only: safetensors, checkpoints, the names of ckpttool's own files
     {"ckpttool.kernels"},  # numpy and Triton kernels
     {"ckpttool.formats"},  # one row per quantization format
     {"ckpttool.model"},  # torch building blocks shared by the bundled models
@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [  # bottom to top; a module is in the layer of its lon
     {"ckpttool.plan"},  # headers -> Plan
     {"ckpttool.execute"},  # Plan -> bytes in the staging directory
     {"ckpttool.publish"},  # staging directory -> output
-    {"ckpttool.hub", "ckpttool.verify"},  # the download stage; proving an output by running it
+    {"ckpttool.hub", "ckpttool.verify", "ckpttool.describe"},  # download; proving an output; `inspect`
     {"ckpttool.recipe"},  # recipes and presets -> what to do
     {"ckpttool.runner"},  # the one entry point: request -> plan, execute, publish, verify
     {"ckpttool.cli"},  # flags -> request, report -> terminal

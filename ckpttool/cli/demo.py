@@ -10,7 +10,7 @@ import typer
 from ckpttool.cli.options import Quiet
 from ckpttool.errors import OutputError
 from ckpttool.families.deepseek.demo import PRESETS, build_checkpoint
-from ckpttool.io.describe import describe
+from ckpttool.describe import describe
 from ckpttool.publish.destination import check_destination
 from ckpttool.recipe import preset as recipe_preset
 from ckpttool.runner import Request, run

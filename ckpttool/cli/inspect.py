@@ -10,7 +10,7 @@ import typer
 
 from ckpttool.cli.options import Json
 from ckpttool.errors import InputError
-from ckpttool.io.describe import describe
+from ckpttool.describe import describe
 from ckpttool.publish.publish import check_manifest
 
 

@@ -15,9 +15,8 @@ import typer
 from ckpttool import defaults
 from ckpttool.cli.options import Device, DryRun, Dst, Json, MaxMemory, Mp, Overwrite, Quiet, Resume, Src, Workers
 from ckpttool.errors import RecipeError
-from ckpttool.execute.distributed import world
 from ckpttool.recipe import Recipe, load_recipe, preset
-from ckpttool.runner import Request, RunReport, run as run_request
+from ckpttool.runner import Request, RunReport, reports_here, run as run_request
 
 KeepMtp = Annotated[bool, typer.Option("--keep-mtp", help="Keep multi-token-prediction layers (dropped by default).")]
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bf16: dequantize FP8 weights; fp8: keep them (with split scales).")]
@@ -38,7 +37,7 @@ def _dequant_flag(dtype: str | None, default: bool) -> bool:
 def _execute(recipe: Recipe, src: str | Path | None, dst: Path | None, *, overwrite: bool = False,
              resume: bool = False, quiet: bool = False, as_json: bool = False, dry_run: bool = False,
              hub_input: bool = False) -> None:
-    if world()[0] != 0:  # under torchrun only rank 0 reports
+    if not reports_here():
         quiet, as_json = True, False
     report = run_request(Request(recipe=recipe, src=src, dst=dst, hub_input=hub_input, overwrite=overwrite,
                                  resume=resume, dry_run=dry_run, quiet=quiet or as_json))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,7 +10,6 @@ import typer
 
 from ckpttool.cli.options import Json, Quiet
 from ckpttool.errors import InputError
-from ckpttool.execute.distributed import launched_by_torchrun
 from ckpttool.verify.defaults import DEFAULT_PROMPT, DEFAULT_TOLERANCE
 
 
@@ -51,12 +49,12 @@ def verify(
 
     Under torchrun each process is one rank: torchrun --nproc-per-node 8 $(which ckpttool) verify ./V3-mp8 --device cuda
     """
-    from ckpttool.verify.run import run_verify  # torch loads only when this command runs
+    from ckpttool.verify.run import reports_here, run_verify  # torch loads only when this command runs
 
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
     report = run_verify(directory, reference=reference, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens,
                         device=device, dtype=dtype, tolerance=tolerance, mp=mp, attn_impl=attn)
-    if not launched_by_torchrun() or os.environ.get("RANK") == "0":
+    if reports_here():
         if json_:
             print(json.dumps(report.to_json()))
         elif not quiet or not report.ok:

@@ -35,6 +35,7 @@ from ckpttool.model.generate import greedy_generate, teacher_forced_logits
 from ckpttool.model.parallel import ParallelContext
 from ckpttool.verify.defaults import DEFAULT_PROMPT, DEFAULT_TOLERANCE, DTYPES
 
+_CONFIG_FIX = "copy the HF config.json beside the model{i}-mp{N}.safetensors files"
 _GRACE_S = 5.0  # how long the other ranks get to report after one fails, before they are stopped
 
 
@@ -110,6 +111,8 @@ def run_verify(directory: Path | str, *, reference: Path | str | None = None, pr
     top level with `if __name__ == "__main__":` (as with torch.multiprocessing.spawn)."""
     directory = Path(directory)
     mp = find_mp(directory, mp)
+    config_path = directory / "config.json"
+    family_for(read_config(config_path, missing_fix=_CONFIG_FIX), config_path)  # before any rank starts
     if device == "auto":  # one GPU per rank when there are enough, else CPU
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= mp else "cpu"
     if device not in ("cpu", "cuda"):
@@ -144,10 +147,15 @@ def run_verify(directory: Path | str, *, reference: Path | str | None = None, pr
     return report
 
 
+def reports_here() -> bool:
+    """Started by torchrun, only rank 0 prints the report (every rank computes it)."""
+    return not launched_by_torchrun() or os.environ.get("RANK") == "0"
+
+
 def load_family(directory: Path) -> tuple[Verifier, object]:
     """The bundled model's side of the family config.json in `directory` names, and its args."""
     path = directory / "config.json"
-    raw = read_config(path, missing_fix="copy the HF config.json beside the model{i}-mp{N}.safetensors files")
+    raw = read_config(path, missing_fix=_CONFIG_FIX)
     verifier = family_for(raw, path).verifier()
     return verifier, verifier.load_args(raw, path)
 

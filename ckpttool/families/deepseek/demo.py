@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ckpttool.families.base import layer_index
 from ckpttool.families.deepseek.spec import DeepseekConfig, hf_tensor_shapes, is_fp8_in_published_checkpoint
 from ckpttool.families.demo_files import write_configs, write_shards, write_tokenizer
-from ckpttool.formats import FP8_QUANTIZATION_CONFIG
+from ckpttool.formats import FP8_QUANTIZATION_CONFIG, SCALE_SUFFIX
 from ckpttool.kernels.fp8 import quantize_fp8_block
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def build_checkpoint(dst: Path, preset: str = "tiny-v3", *, fp8: bool | None = N
     for name, t in tensors.items():
         layer = layer_index(name)
         idx = 0 if layer is None else min(n_files - 1, layer * n_files // max(n_layers, 1))
-        if scales_in_last_file and name.endswith("_scale_inv"):
+        if scales_in_last_file and name.endswith(SCALE_SUFFIX):
             idx = n_files - 1
         files[idx][name] = t
     write_shards(dst, files, [f"model-{i + 1:05d}-of-{n_files:05d}.safetensors" for i in range(n_files)])
@@ -100,5 +100,5 @@ def _make_tensor(name: str, shape: tuple[int, ...], fp8: bool, gen: torch.Genera
     w = (torch.randn(shape, generator=gen) * (1.0 / fan_in) ** 0.5).to(torch.bfloat16)
     if fp8 and is_fp8_in_published_checkpoint(name):
         q, s = quantize_fp8_block(w)
-        return {name: q, name + "_scale_inv": s}
+        return {name: q, name + SCALE_SUFFIX: s}
     return {name: w}

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from ckpttool.families.base import attention_shapes, config_fields
 from ckpttool.families.keymap import KeyMap
 from ckpttool.errors import InputError, PlanError
+from ckpttool.formats import MXFP4
 from ckpttool.kernels.mxfp4 import VALUES_PER_BLOCK, check_mxfp4, dequant_mxfp4
 
 if TYPE_CHECKING:
@@ -247,21 +248,22 @@ def hf_tensor_dtype(hf_name: str) -> torch.dtype:
     """The dtype gpt-oss publishes each tensor in: u8 MXFP4 blocks/scales, BF16 for the rest."""
     import torch
 
-    return torch.uint8 if hf_name.endswith(("_blocks", "_scales")) else torch.bfloat16
+    return torch.uint8 if hf_name.endswith((MXFP4.weight_suffix, MXFP4.scale_suffix)) else torch.bfloat16
 
 
 def mxfp4_source(hf_name: str) -> tuple[str, str] | None:
     """For a BF16 expert weight name, the (blocks, scales) names it is dequantized from; else None."""
     prefix, _, proj = hf_name.rpartition(".")
     if proj in MXFP4_PROJS and prefix.endswith(".mlp.experts"):
-        return f"{hf_name}_blocks", f"{hf_name}_scales"
+        return hf_name + MXFP4.weight_suffix, hf_name + MXFP4.scale_suffix
     return None
 
 
 def bf16_name(hf_name: str) -> str | None:
     """`...experts.gate_up_proj_blocks` -> `...experts.gate_up_proj`; None for names that are not blocks."""
-    if hf_name.endswith("_blocks") and mxfp4_source(hf_name.removesuffix("_blocks")):
-        return hf_name.removesuffix("_blocks")
+    base = hf_name.removesuffix(MXFP4.weight_suffix)
+    if base != hf_name and mxfp4_source(base):
+        return base
     return None
 
 

@@ -19,6 +19,7 @@ from ckpttool.errors import InputError
 from ckpttool.families.base import Verifier, eos_ids
 from ckpttool.families.gpt_oss.model import Transformer
 from ckpttool.families.gpt_oss.spec import KEY_MAP, GptOssConfig, bf16_expert_shape, dequant_expert_weight
+from ckpttool.formats import MXFP4
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.safetensors import TensorInfo, read_bytes, tensor_from_bytes
 from ckpttool.kernels.mxfp4 import check_mxfp4
@@ -87,7 +88,8 @@ def _plan(params: dict[str, nn.Parameter], sources: Sources, where: Path) -> dic
 
 def _source_names(name: str, sources: Sources) -> tuple[str, ...]:
     """(name,), or (blocks, scales) where the source holds the parameter as an MXFP4 pair."""
-    return (name + "_blocks", name + "_scales") if name + "_blocks" in sources else (name,)
+    blocks, scales = name + MXFP4.weight_suffix, name + MXFP4.scale_suffix
+    return (blocks, scales) if blocks in sources else (name,)
 
 
 def _value(names: tuple[str, ...], sources: Sources, read: Callable[[str], torch.Tensor]) -> torch.Tensor:

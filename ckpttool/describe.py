@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from ckpttool.formats import FP8_BLOCK, MXFP4
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.safetensors import read_header
 
@@ -34,9 +35,9 @@ def describe(path: Path) -> dict:
         g["dtypes"].add(dtype)
         g["shapes"].add(tuple(shape))
         g["bytes"] += nbytes
-    scales = sum(n.endswith("_scale_inv") for n in tensors)
+    scales = sum(n.endswith(FP8_BLOCK.scale_suffix) for n in tensors)
     quant = config.get("quantization_config")
-    mxfp4 = sum(n.endswith("_blocks") for n in tensors)
+    mxfp4 = sum(n.endswith(MXFP4.weight_suffix) for n in tensors)
     return {
         "path": str(path),
         "files": sorted({f for *_, f in tensors.values()}),
