@@ -1,9 +1,5 @@
-"""DeepSeek V2 / V2-Lite / V3 / R1 and Kimi-K2 (MLA attention, routed + shared experts, MTP layers).
-
-Its home: spec.py (config.json read as transformers reads it, key table, expected shapes, mp rules),
-model.py (the bundled model verify runs), weights.py (loading shards or an HF checkpoint into it),
-demo.py (tiny real checkpoints), and the FAMILY row below, listed in families/table.py.
-"""
+"""DeepSeek V2 / V2-Lite / V3 / R1 and Kimi-K2 (MLA attention, routed + shared experts, MTP layers). Its FAMILY row; the
+family's files are laid out as families/base.py describes."""
 
 from __future__ import annotations
 
