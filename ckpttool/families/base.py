@@ -9,7 +9,7 @@ torch model verify runs), `weights.py` (loading shards or an HF checkpoint into 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -88,6 +88,9 @@ class Family:
     quantize: bool = False
     """whether the quantize stage supports this family; which weights it quantizes is the key
     table's LINEAR column (`quantizable`)"""
+    transformers_types: dict[str, str] = field(default_factory=dict)
+    """model_type -> the transformers model_type implementing it, where transformers names it otherwise
+    (Kimi-K2 ships remote code for the DeepSeek-V3 architecture): verify's oracle"""
 
     def quantizable(self, hf_name: str) -> bool:
         return self.quantize and self.key_map.is_linear(hf_name)
@@ -111,6 +114,46 @@ def layer_index(hf_name: str) -> int | None:
     if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
         return int(parts[2])
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """A config.json's rotary embedding, read as transformers 5 reads it (modeling_rope_utils)."""
+
+    theta: float
+    type: str  # "default", "yarn", "linear", "llama3", ...
+    params: dict  # the whole parameter dict (factor, beta_fast, original_max_position_embeddings, ...)
+
+
+def read_rope(raw: dict, source: object, *, default_theta: float, types: tuple[str, ...]) -> Rope:
+    """transformers' precedence, exactly: `rope_scaling` (older configs) replaces `rope_parameters`
+    (what transformers 5 saves); `rope_theta` inside that dict wins over a top-level `rope_theta`,
+    then the model's `default_theta`; the type is `rope_type`, else the legacy `type`, else default;
+    scaled types without `original_max_position_embeddings` take a top-level one, else
+    max_position_embeddings. A type this family's model does not implement, or per-layer-type
+    (nested) parameters, are refused rather than approximated."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise InputError(f"rope parameters are a JSON {type(params).__name__}, not an object", file=source,
+                         fix="use the config.json published with the checkpoint")
+    params = dict(params)
+    if any(isinstance(v, dict) for v in params.values()):
+        raise InputError("per-layer-type rope parameters are not supported for this model", file=source,
+                         fix="report this checkpoint; ckpttool reads one rope configuration per model")
+    with config_fields(source):
+        params.setdefault("rope_theta", raw.get("rope_theta", default_theta))
+        kind = params.setdefault("rope_type", params.get("type", "default"))
+        if kind in ("llama3", "yarn", "longrope"):
+            params.setdefault("original_max_position_embeddings",
+                              raw.get("original_max_position_embeddings", raw.get("max_position_embeddings")))
+        theta = float(params["rope_theta"])
+    if kind not in types:
+        raise InputError(f"unsupported rope type {kind!r}", file=source,
+                         fix=f"ckpttool's model for this family implements rope types: {', '.join(types)}")
+    if not theta > 0:
+        raise InputError(f"rope_theta {theta} is not a positive number", file=source,
+                         fix="use the config.json published with the checkpoint")
+    return Rope(theta=theta, type=kind, params=params)
 
 
 def eos_ids(raw: dict) -> tuple[int, ...]:

@@ -25,4 +25,5 @@ FAMILY = Family(
     check_mp=spec.check_mp,
     verifier=_verifier,
     mtp_config_key="num_nextn_predict_layers",
+    transformers_types={"kimi_k2": "deepseek_v3"},
 )

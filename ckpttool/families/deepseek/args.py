@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ckpttool.errors import InputError
-from ckpttool.families.base import eos_ids
-from ckpttool.families.deepseek.spec import DeepseekConfig
+from ckpttool.families.base import Rope, config_fields, eos_ids, read_rope
+from ckpttool.families.deepseek.spec import V3_ARCHITECTURE, DeepseekConfig, with_defaults
 from ckpttool.formats import declares_fp8_block
 
 
@@ -84,14 +84,24 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, raw: dict, source: object = "config.json") -> "ModelArgs":
         cfg = DeepseekConfig.from_dict(raw, source)
-        is_v3 = cfg.model_type == "deepseek_v3"
-        topk_method = raw.get("topk_method", "noaux_tc" if is_v3 else "greedy")
-        group_score = {"noaux_tc": "top2_sum", "group_limited_greedy": "max", "greedy": "none"}.get(topk_method)
-        score_func = raw.get("scoring_func", "sigmoid" if is_v3 else "softmax")
-        if group_score is None or score_func not in ("softmax", "sigmoid"):
-            raise InputError(f"unsupported routing: topk_method={topk_method!r}, scoring_func={score_func!r}",
-                             file=source, fix="verify supports greedy, group_limited_greedy and noaux_tc routing")
-        n_groups = int(raw.get("n_group") or 1) if group_score != "none" else 1
+        raw = with_defaults(raw)
+        is_v3 = cfg.model_type in V3_ARCHITECTURE
+        topk_method, score_func = raw.get("topk_method"), raw.get("scoring_func")
+        # exactly the routing transformers' models run; anything else would be a guess
+        if is_v3 and (topk_method, score_func) != ("noaux_tc", "sigmoid"):
+            raise InputError(f"unsupported routing for the DeepSeek-V3 architecture: topk_method={topk_method!r}, "
+                             f"scoring_func={score_func!r}", file=source,
+                             fix="DeepSeek-V3 (and Kimi-K2) route noaux_tc over sigmoid scores; check config.json")
+        if not is_v3 and (topk_method not in ("greedy", "group_limited_greedy") or score_func != "softmax"
+                          or raw.get("norm_topk_prob")):
+            raise InputError(f"unsupported routing for DeepSeek-V2: topk_method={topk_method!r}, "
+                             f"scoring_func={score_func!r}, norm_topk_prob={raw.get('norm_topk_prob')!r}", file=source,
+                             fix="DeepSeek-V2 routes softmax scores, greedy or group_limited_greedy, without "
+                                 "renormalising (as transformers' DeepseekV2); check config.json")
+        group_score = {"noaux_tc": "top2_sum", "group_limited_greedy": "max", "greedy": "none"}[topk_method]
+        with config_fields(source):
+            n_groups = int(raw.get("n_group") or 1) if group_score != "none" else 1
+            rope = read_rope(raw, source, default_theta=10000.0, types=("default", "yarn"))
         return cls(
             vocab_size=cfg.vocab_size,
             dim=cfg.hidden_size,
@@ -108,15 +118,15 @@ class ModelArgs:
             n_expert_groups=n_groups,
             n_limited_groups=int(raw.get("topk_group") or 1) if n_groups > 1 else 1,
             correction_bias=cfg.has_correction_bias,
-            norm_topk_prob=bool(raw.get("norm_topk_prob", is_v3)),
+            norm_topk_prob=bool(raw.get("norm_topk_prob")),
             route_scale=float(raw.get("routed_scaling_factor") or 1.0),
             q_lora_rank=cfg.q_lora_rank or 0,
             kv_lora_rank=cfg.kv_lora_rank,
             qk_nope_head_dim=cfg.qk_nope_head_dim,
             qk_rope_head_dim=cfg.qk_rope_head_dim,
             v_head_dim=cfg.v_head_dim,
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            yarn=_yarn_args(raw, source),
+            rope_theta=rope.theta,
+            yarn=_yarn_args(rope, raw),
             rope_interleave=bool(raw.get("rope_interleave", True)) if is_v3 else True,
             norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             fp8=declares_fp8_block(raw.get("quantization_config"), source),
@@ -128,23 +138,19 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _yarn_args(raw: dict, source: object) -> YarnArgs | None:
-    rope = raw.get("rope_scaling") or raw.get("rope_parameters")
-    if not rope:
+def _yarn_args(rope: Rope, raw: dict) -> YarnArgs | None:
+    if rope.type == "default":
         return None
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "yarn":
-        raise InputError(f"unsupported rope_scaling type {kind!r}", file=source,
-                         fix="verify supports the YaRN rope scaling DeepSeek models use")
+    p = rope.params
+    original = int(p["original_max_position_embeddings"])
+    factor = p.get("factor")
     return YarnArgs(
-        factor=float(rope["factor"]),
-        original_seq_len=int(rope.get("original_max_position_embeddings") or raw["max_position_embeddings"]),
-        beta_fast=float(rope.get("beta_fast") or 32),
-        beta_slow=float(rope.get("beta_slow") or 1),
-        mscale=float(rope.get("mscale") or 0.0),
-        mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
-        attention_factor=None if rope.get("attention_factor") is None else float(rope["attention_factor"]),
-        truncate=bool(rope.get("truncate", True)),
+        factor=float(factor) if factor is not None else int(raw["max_position_embeddings"]) / original,
+        original_seq_len=original,
+        beta_fast=float(p.get("beta_fast") or 32),
+        beta_slow=float(p.get("beta_slow") or 1),
+        mscale=float(p.get("mscale") or 0.0),
+        mscale_all_dim=float(p.get("mscale_all_dim") or 0.0),
+        attention_factor=None if p.get("attention_factor") is None else float(p["attention_factor"]),
+        truncate=bool(p.get("truncate", True)),
     )

@@ -15,6 +15,36 @@ from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 from ckpttool.errors import PlanError
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+V3_ARCHITECTURE = ("deepseek_v3", "kimi_k2")
+"""model types with DeepSeek-V3's router: sigmoid scores, e_score_correction_bias, grouped top-k (noaux_tc)"""
+
+_SHARED_DEFAULTS = {
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "moe_layer_freq": 1,
+}
+CONFIG_DEFAULTS: dict[str, dict] = {
+    "deepseek_v2": {**_SHARED_DEFAULTS, "vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008,
+                    "moe_intermediate_size": 1407, "num_hidden_layers": 32, "num_attention_heads": 32,
+                    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": None,
+                    "first_k_dense_replace": 0, "num_nextn_predict_layers": 0, "topk_method": "greedy",
+                    "scoring_func": "softmax", "n_group": None, "topk_group": None, "norm_topk_prob": False,
+                    "routed_scaling_factor": 1.0, "max_position_embeddings": 2048},
+    "deepseek_v3": {**_SHARED_DEFAULTS, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+                    "first_k_dense_replace": 3, "num_nextn_predict_layers": 1, "topk_method": "noaux_tc",
+                    "scoring_func": "sigmoid", "n_group": 8, "topk_group": 4, "norm_topk_prob": True,
+                    "routed_scaling_factor": 2.5, "rope_interleave": True, "max_position_embeddings": 4096},
+}
+"""What transformers' DeepseekV2Config / DeepseekV3Config hold for a field config.json leaves out (and what
+their models do: V2 routes softmax greedy or group-limited, V3 noaux_tc over sigmoid). Kimi-K2 is the V3
+architecture under its own model_type. tests/test_config_reading.py holds these to the installed classes."""
+CONFIG_DEFAULTS["kimi_k2"] = CONFIG_DEFAULTS["deepseek_v3"]
+
+
+def with_defaults(raw: dict) -> dict:
+    """config.json's fields over transformers' defaults for its model_type (an explicit null stays null)."""
+    return {**CONFIG_DEFAULTS.get(raw.get("model_type"), {}), **raw}
 
 _ATTN = [
     ("self_attn.q_proj.weight", "attn.wq.weight", 0, LINEAR),
@@ -91,10 +121,11 @@ class DeepseekConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: object = "config.json") -> "DeepseekConfig":
+        raw = with_defaults(raw)
         with config_fields(source):
-            topk_method = raw.get("topk_method", "noaux_tc" if raw["model_type"] == "deepseek_v3" else "greedy")
+            model_type = raw["model_type"]
             return cls(
-                model_type=raw["model_type"],
+                model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=int(raw["hidden_size"]),
                 intermediate_size=int(raw["intermediate_size"]),
@@ -112,7 +143,7 @@ class DeepseekConfig:
                 qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
                 v_head_dim=int(raw["v_head_dim"]),
                 num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", 0)),
-                has_correction_bias=topk_method == "noaux_tc",
+                has_correction_bias=model_type in V3_ARCHITECTURE or raw.get("topk_method") == "noaux_tc",
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             )
 

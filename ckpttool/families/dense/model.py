@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckpttool.errors import InputError
-from ckpttool.families.base import eos_ids
+from ckpttool.families.base import eos_ids, read_rope
 from ckpttool.families.dense.spec import DenseConfig
 from ckpttool.formats import declares_fp8_block
 from ckpttool.model.norms import RMSNorm
@@ -59,9 +59,8 @@ class DenseArgs:
 
 def _rope(raw: dict, dim: int, source: object) -> tuple[torch.Tensor, float]:
     """transformers' default / linear / llama3 RoPE inverse frequencies (float32) and attention scaling."""
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    parsed = read_rope(raw, source, default_theta=10000.0, types=("default", "linear", "llama3"))
+    rope, theta, kind = parsed.params, parsed.theta, parsed.type
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "default":
         return inv_freq, 1.0
@@ -76,8 +75,7 @@ def _rope(raw: dict, dim: int, source: object) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise InputError(f"unsupported rope type {kind!r}", file=source,
-                     fix="verify's dense model supports default, linear and llama3 RoPE")
+    raise AssertionError(kind)  # read_rope refused every other type
 
 
 class DenseLinear(Linear):

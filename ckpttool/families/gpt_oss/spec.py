@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpttool.families.base import attention_shapes, config_fields
+from ckpttool.families.base import attention_shapes, config_fields, read_rope
 from ckpttool.families.keymap import KeyMap
 from ckpttool.errors import InputError, PlanError
 from ckpttool.formats import MXFP4
@@ -164,10 +164,7 @@ class GptOssConfig:
             layers = int(raw["num_hidden_layers"])
             layer_types = raw.get("layer_types") or [
                 "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-            # transformers 5 writes rope_parameters (theta inside); published configs have rope_theta + rope_scaling
-            rope = raw.get("rope_parameters") or raw.get("rope_scaling")
-            theta = raw.get("rope_theta", (rope or {}).get("rope_theta", 150000.0))
-            rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+            rope = read_rope(raw, source, default_theta=150000.0, types=("default", "yarn"))  # GptOssConfig's theta
             quant = raw.get("quantization_config") or {}
             heads = int(raw["num_attention_heads"])
             cfg = cls(
@@ -183,8 +180,8 @@ class GptOssConfig:
                 sliding_window=int(raw["sliding_window"]) if raw.get("sliding_window") else None,
                 layer_types=tuple(layer_types),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(theta),
-                rope_scaling=None if rope_type == "default" else dict(rope),
+                rope_theta=rope.theta,
+                rope_scaling=None if rope.type == "default" else rope.params,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
                 swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
                 swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
