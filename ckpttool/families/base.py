@@ -57,8 +57,9 @@ class Verifier:
     """(config.json dict, its path) -> model args (with vocab_size, n_layers, eos_token_ids)"""
     build: Callable[..., Any]
     """(args, ParallelContext, dtype, attn_impl) -> model"""
-    load_shard: Callable[[Any, Path], None]
-    """(model, model{rank}-mp{N}.safetensors) -> None, strictly"""
+    load_shard: Callable[[Any, Path], int]
+    """(model, model{rank}-mp{N}.safetensors) -> how many tensors it skipped (parts the bundled model
+    does not run, e.g. MTP layers); every other tensor is loaded strictly"""
     load_hf: Callable[[Any, Path, int], None]
     """(model, HF checkpoint dir, n_layers) -> None, strictly, at mp=1"""
     weight_differences: Callable[..., list[str]]

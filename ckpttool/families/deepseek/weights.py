@@ -57,10 +57,22 @@ def weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, 
     return reference_differences(model, reference, shard, source, limit)
 
 
+def load_shard(model: Transformer, path: Path) -> int:
+    """An mp shard, strictly; MTP layers kept by `--keep-mtp` (layers past num_hidden_layers) are not
+    part of the model verify runs and are skipped (and counted)."""
+    n_layers = model.args.n_layers
+
+    def is_mtp(native: str) -> bool:
+        parts = native.split(".")
+        return len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= n_layers
+
+    return load_mp_shard(model, path, skip=is_mtp)
+
+
 VERIFIER = Verifier(
     load_args=ModelArgs.from_hf_config,
     build=lambda args, ctx, dtype, attn: Transformer(args, ctx, dtype=dtype, attn_impl=attn),
-    load_shard=load_mp_shard,
+    load_shard=load_shard,
     load_hf=load_hf_checkpoint,
     weight_differences=weight_differences,
 )
