@@ -42,6 +42,7 @@ class ModelArgs:
     inter_dim: int
     moe_inter_dim: int
     n_layers: int
+    n_mtp_layers: int  # config.json's num_nextn_predict_layers: shards may hold them; the model does not run them
     moe_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
     n_heads: int
     # MoE routing
@@ -108,6 +109,7 @@ class ModelArgs:
             inter_dim=cfg.intermediate_size,
             moe_inter_dim=cfg.moe_intermediate_size,
             n_layers=cfg.num_hidden_layers,
+            n_mtp_layers=cfg.num_nextn_predict_layers,
             moe_layers=tuple(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
             n_heads=cfg.num_attention_heads,
             n_routed_experts=cfg.n_routed_experts,

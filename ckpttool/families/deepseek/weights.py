@@ -58,13 +58,13 @@ def weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, 
 
 
 def load_shard(model: Transformer, path: Path) -> int:
-    """An mp shard, strictly; MTP layers kept by `--keep-mtp` (layers past num_hidden_layers) are not
-    part of the model verify runs and are skipped (and counted)."""
-    n_layers = model.args.n_layers
+    """An mp shard, strictly; the MTP layers config.json declares (kept by `--keep-mtp`) are not part
+    of the model verify runs and are skipped (and counted). A layer past those is still an error."""
+    mtp = range(model.args.n_layers, model.args.n_layers + model.args.n_mtp_layers)
 
     def is_mtp(native: str) -> bool:
         parts = native.split(".")
-        return len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= n_layers
+        return len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) in mtp
 
     return load_mp_shard(model, path, skip=is_mtp)
 
