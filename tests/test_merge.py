@@ -80,3 +80,13 @@ def test_merge_refuses_incomplete_or_foreign_shards(dense_sources, tmp_path):
     proc = run_cli("merge", tmp_path / "mp2", tmp_path / "hf2", "--quiet", check=False)
     assert proc.returncode != 0 and "contradicts config.json" in proc.stderr
     assert not (tmp_path / "hf2" / "model.safetensors").exists()
+
+
+def test_gpt_oss_shard_then_merge_gives_the_same_tensors(tiny_gpt_oss, tmp_path):
+    """MXFP4 kept by shard (stacked experts split by expert range) comes back tensor for tensor."""
+    run_cli("shard", tiny_gpt_oss, tmp_path / "mp", "--mp", 2, "--quiet")
+    run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--quiet")
+    ours, ref = _flat(tmp_path / "hf"), _flat(tiny_gpt_oss)
+    assert sorted(ours) == sorted(ref)
+    for name, r in ref.items():
+        assert ours[name].dtype == r.dtype and torch.equal(ours[name].view(torch.uint8), r.view(torch.uint8)), name
