@@ -80,8 +80,10 @@ class QuantFormat:
     """output elements per source dim-0 row, for sizing chunks"""
     cpu: Callable[[np.ndarray, np.ndarray, str, str], np.ndarray]
     """(source rows, scale rows, source dtype code, output dtype code) -> output rows, in numpy carriers"""
-    cuda: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
-    """(source rows, scale rows, output dtype) -> output rows, torch tensors on a CUDA device"""
+    cuda: Callable[[torch.Tensor, torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]]
+    """(source rows, scale rows, output dtype) -> (output rows, first_bad), torch tensors on a CUDA device;
+    first_bad: None, or a one-element int32 device tensor with the first row holding a NaN code (the
+    row count when there is none), read by the caller when it synchronizes anyway"""
     example: Callable[[torch.device], tuple[torch.Tensor, torch.Tensor]]
     """a smallest valid (source, scale) on a device: warms a kernel up before the real data arrives"""
 
@@ -102,10 +104,11 @@ def _check_fp8(w_shape, s_shape, tensor, file) -> None:
     check_scale(w_shape, s_shape, tensor=tensor, file=file)
 
 
-def _fp8_cuda(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    from ckpttool.kernels.fp8 import dequant_fp8_block
+def _fp8_cuda(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from ckpttool.kernels.fp8 import dequant_fp8_block_lazy
 
-    return dequant_fp8_block(x, scale, out_dtype)
+    return dequant_fp8_block_lazy(x, scale, out_dtype)
 
 
 def _fp8_example(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,10 +137,10 @@ def _mxfp4_cpu(blocks: np.ndarray, scales: np.ndarray, dtype: str, out: str) -> 
     return np.ascontiguousarray(mxfp4_cpu.dequant(blocks, scales, out).transpose(0, 2, 1))
 
 
-def _mxfp4_cuda(blocks: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _mxfp4_cuda(blocks: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, None]:
     from ckpttool.kernels.mxfp4 import dequant_mxfp4
 
-    return dequant_mxfp4(blocks, scales, out_dtype).transpose(1, 2).contiguous()
+    return dequant_mxfp4(blocks, scales, out_dtype).transpose(1, 2).contiguous(), None  # no NaN: a table gather
 
 
 def _mxfp4_example(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -175,6 +175,39 @@ def test_nan_codes_are_refused_on_either_device():
 
 
 @pytest.mark.gpu
+def test_cuda_names_the_same_nan_row_as_the_cpu(tiny_v3_no_mtp, tmp_path):
+    """Detected inside the Triton kernel (no second pass): the first bad row, as the CPU kernel says it,
+    through the API and through the executor's CUDA streams (where the row is the chunk's plus r0)."""
+    import shutil
+
+    from ckpttool.errors import InputError
+    from ckpttool.io.checkpoint import Checkpoint
+    from ckpttool.kernels.fp8 import dequant_fp8_block
+    from ckpttool.kernels.fp8_cpu import NaNCodes
+    from ckpttool.plan.build import Spec
+    from ckpttool.runner import ExecOptions, convert
+
+    w = torch.zeros(384, 300, dtype=torch.uint8)
+    w[[311, 200], [299, 3]] = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)  # +NaN, -NaN in e4m3fn
+    for dev in ("cpu", "cuda"):
+        with pytest.raises(NaNCodes, match=r"first in row 200\)"):
+            dequant_fp8_block(w.view(torch.float8_e4m3fn).to(dev), torch.ones(3, 3, device=dev))
+    src = tmp_path / "src"
+    shutil.copytree(tiny_v3_no_mtp, src)
+    with Checkpoint(src) as ckpt:
+        name = max((n for n in ckpt.tensors if ckpt.source(n).info.dtype == "F8_E4M3"),
+                   key=lambda n: ckpt.source(n).info.shape[0])
+        info, file = ckpt.source(name).info, ckpt.source(name).file
+    with open(src / file, "r+b") as f:
+        f.seek(info.start + info.shape[1] * 130 + 7)  # row 130
+        f.write(b"\x7f")
+    with pytest.raises(InputError, match=r"first in row 130\)") as err:
+        convert(src, tmp_path / "o", Spec(dequant=True, mp=2),
+                ExecOptions(quiet=True, device="cuda", chunk_bytes=1024, wait_for_cuda=True))
+    assert name in str(err.value)
+
+
+@pytest.mark.gpu
 def test_triton_dequant_bits_equal_cpu_and_reference_kernel():
     import importlib.util
 

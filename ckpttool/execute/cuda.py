@@ -26,6 +26,7 @@ from ckpttool.errors import InputError
 from ckpttool.execute.device import no_cuda
 from ckpttool.execute.osutil import release_free_memory
 from ckpttool.formats import QuantFormat
+from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.timing import Timings
 
 _FIX = "install Triton for your CUDA torch (pip install -e '.[gpu]'), or pass --device cpu (the same bits)"
@@ -111,16 +112,28 @@ class CudaTransforms:
         xt = torch.from_numpy(x).view(torch_dtype(dtype))
         st = torch.from_numpy(scale).view(torch_dtype(scale_dtype))
         with torch.cuda.stream(stream):
-            y = transform.cuda(xt.to(self.device, non_blocking=True), st.to(self.device, non_blocking=True),
-                               torch_dtype(out_dtype))
+            y, first_bad = transform.cuda(xt.to(self.device, non_blocking=True), st.to(self.device, non_blocking=True),
+                                          torch_dtype(out_dtype))
             nbytes = y.numel() * y.element_size()
             if self._size() < nbytes:
                 stream.synchronize()  # x may live in the buffer being replaced
             # the same stream orders this copy after the upload of x: the result may overwrite it
             buf = self._buffer(nbytes)
             torch.from_numpy(buf).view(y.dtype).reshape(y.shape).copy_(y, non_blocking=True)
+            flag = self._flag()
+            if first_bad is not None:
+                flag.copy_(first_bad, non_blocking=True)  # rides on the sync below: no wait of its own
             stream.synchronize()  # the rows are in host memory; the caller writes them before its next chunk
+        if first_bad is not None and (row := int(flag[0])) < y.shape[0]:
+            raise NaNCodes(row)  # the executor names the file, the tensor and the tensor's row
         return buf.view(CARRIERS[out_dtype]).reshape(tuple(y.shape))
+
+    def _flag(self):
+        """This thread's pinned int32 for a kernel's first-bad-row flag."""
+        flag = getattr(self._local, "flag", None)
+        if flag is None:
+            flag = self._local.flag = self.torch.empty(1, dtype=self.torch.int32, pin_memory=True)
+        return flag
 
     def _stream(self):
         stream = getattr(self._local, "stream", None)

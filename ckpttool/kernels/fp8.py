@@ -40,7 +40,19 @@ def check_scale(weight_shape, scale_shape_, *, tensor: str, file: object = None,
 
 def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None,
                       *, block: int = BLOCK) -> torch.Tensor:
-    """Dequantize an FP8 [M, N] weight with its [ceil(M/b), ceil(N/b)] fp32 scale (to bf16 by default)."""
+    """Dequantize an FP8 [M, N] weight with its [ceil(M/b), ceil(N/b)] fp32 scale (to bf16 by default).
+    NaN codes are an error (NaNCodes, naming the first bad row) on either device."""
+    y, first_bad = dequant_fp8_block_lazy(weight, scale, out_dtype, block=block)
+    if first_bad is not None and (row := int(first_bad.item())) < weight.shape[0]:
+        raise NaNCodes(row)
+    return y
+
+
+def dequant_fp8_block_lazy(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None,
+                           *, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`dequant_fp8_block` without waiting for the GPU: on CUDA, returns (output, first_bad), a one-element
+    int32 device tensor holding the first row with a NaN code (or M when there is none) for the caller to
+    read when it synchronizes anyway; on the CPU the check has run (first_bad is None)."""
     import torch
 
     out_dtype = out_dtype or torch.bfloat16
@@ -52,16 +64,13 @@ def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torc
     if weight.is_cuda:
         from ckpttool.kernels import fp8_triton
 
-        y = fp8_triton.dequant(weight, scale.to(weight.device), out_dtype, block)
-        if y.is_floating_point() and bool(torch.isnan(y).any()):  # as the CPU kernel does
-            raise NaNCodes()
-        return y
+        return fp8_triton.dequant(weight, scale.to(weight.device), out_dtype, block)
     out = dtype_code(out_dtype)
     if out not in OUT_DTYPES:
         raise InputError(f"FP8 dequant writes one of {[str(torch_dtype(c)) for c in OUT_DTYPES]}, not {out_dtype}")
     y = _dequant_cpu(weight.contiguous().view(torch.uint8).numpy(), scale.contiguous().numpy(), fmt, out,
                      block=block)
-    return torch.from_numpy(y).view(out_dtype)
+    return torch.from_numpy(y).view(out_dtype), None
 
 
 def quantize_fp8_block(weight: torch.Tensor, *, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

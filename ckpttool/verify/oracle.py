@@ -64,6 +64,8 @@ def transformers_logits(reference: Path, prompt_ids: list[int], generated: list[
     with torch.no_grad():  # a dequantizing load leaves the unquantized tensors in their stored dtype
         for param in model.parameters():
             param.data = param.data.to(device=device, dtype=dtype)
+        for buffer in model.buffers():  # rotary frequencies, router biases: their own dtype
+            buffer.data = buffer.data.to(device=device)
     model.eval()
     sequence = torch.tensor([prompt_ids + generated[:-1]], device=device)
     with torch.no_grad():
