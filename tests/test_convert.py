@@ -179,9 +179,9 @@ def test_triton_dequant_bits_equal_cpu_and_reference_kernel():
     import importlib.util
 
     from ckpttool.kernels.fp8 import dequant_fp8_block, quantize_fp8_block
-    from conftest import SEEDS
+    from conftest import require_seeds
 
-    spec = importlib.util.spec_from_file_location("ref_kernel", SEEDS / "kernel.py")
+    spec = importlib.util.spec_from_file_location("ref_kernel", require_seeds() / "kernel.py")
     ref_kernel = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ref_kernel)
     g = torch.Generator().manual_seed(1)
@@ -257,10 +257,10 @@ def test_fused_convert_equals_unmodified_reference_scripts_on_gpu(tiny_v3_no_mtp
     import subprocess
     import sys
 
-    from conftest import SEEDS
+    from conftest import require_seeds
 
     subprocess.run([sys.executable, "fp8_cast_bf16.py", "--input-fp8-hf-path", str(tiny_v3_no_mtp),
-                    "--output-bf16-hf-path", str(tmp_path / "ref-bf16")], cwd=SEEDS, check=True, capture_output=True)
+                    "--output-bf16-hf-path", str(tmp_path / "ref-bf16")], cwd=require_seeds(), check=True, capture_output=True)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "ref-bf16" / name).write_bytes((tiny_v3_no_mtp / name).read_bytes())
     ref = reference_convert(tmp_path / "ref-bf16", tmp_path / "ref", 2)

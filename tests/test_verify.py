@@ -22,17 +22,16 @@ from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.kernels.fp8 import dequant_fp8_block
 from ckpttool.verify.run import run_verify
-from conftest import SEEDS
+from conftest import require_seeds
 
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE_CONVERT = SEEDS / "convert.py"
 PROMPT = [0, 5, 9, 33, 7]
 NEW_TOKENS = 5
 
 
 def reference_convert(hf_dir: Path, dst: Path, mp: int) -> Path:
     """model{i}-mp{N}.safetensors by the reference convert.py, plus config.json beside them."""
-    spec = importlib.util.spec_from_file_location("reference_convert", REFERENCE_CONVERT)
+    spec = importlib.util.spec_from_file_location("reference_convert", require_seeds() / "convert.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     threads = torch.get_num_threads()
