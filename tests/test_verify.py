@@ -80,9 +80,11 @@ def transformers_oracle(hf_dir: Path, prompt: list[int], new_tokens: int) -> tup
 def hf(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     return {
-        "v3": build_checkpoint(root / "v3", "tiny-v3", fp8=False, overrides={"num_nextn_predict_layers": 0}),
+        # seed 1: greedy decoding of this prompt meets no near-tie in bfloat16, so the bfloat16 run stays
+        # within the default tolerance (3 of seeds 0-5 of the numpy builder flip a token and then diverge)
+        "v3": build_checkpoint(root / "v3", "tiny-v3", fp8=False, seed=1, overrides={"num_nextn_predict_layers": 0}),
         # same seed, so the same weights plus an MTP layer the model must skip
-        "v3-mtp": build_checkpoint(root / "v3-mtp", "tiny-v3", fp8=False),
+        "v3-mtp": build_checkpoint(root / "v3-mtp", "tiny-v3", fp8=False, seed=1),
         "v3-fp8": build_checkpoint(root / "v3-fp8", "tiny-v3", overrides={"num_nextn_predict_layers": 0}),
         "v2-lite": build_checkpoint(root / "v2-lite", "tiny-v2-lite"),
     }
