@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from ckpttool.formats import FP8_SCALE, INT4_SCALES_AND_ZEROS, INT8_SCALES, MXFP4
+from ckpttool.formats import CKPTTOOL_QUANTIZATION, FP8_SCALE, INT4_SCALES_AND_ZEROS, INT8_SCALES, MXFP4
 from ckpttool.io.checkpoint import Checkpoint, ShardFiles, read_config
 from ckpttool.io.layout import INDEX_NAME, MP_FILE, find_mp, mp_file
 from ckpttool.io.safetensors import read_header
@@ -77,7 +77,7 @@ def describe(path: Path) -> dict:
         "dtypes": {d: {"tensors": by_dtype[d], "bytes": bytes_by_dtype[d]} for d in sorted(by_dtype)},
         "model_type": config.get("model_type"),
         "quantization": {
-            "config": config.get("quantization_config") or config.get("ckpttool_quantization"),
+            "config": config.get("quantization_config") or config.get(CKPTTOOL_QUANTIZATION),
             "fp8_block_weights": fp8,
             "mxfp4_blocks": sum(n.endswith(MXFP4.weight_suffix) for n in names),
             "int8_weights": _count_leaf(names, INT8_SCALES),
