@@ -61,7 +61,8 @@ def test_dequant_hf_output_loads_in_transformers_as_plain_bf16(tiny_v3, tmp_path
     assert index["metadata"]["total_size"] == sizes
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
-    assert config["num_nextn_predict_layers"] == 0  # MTP dropped by default, and the config says so
+    # an HF output keeps the MTP layer by default (vLLM and SGLang use it for speculative decoding)
+    assert config["num_nextn_predict_layers"] == 1 and "model.layers.3.eh_proj.weight" in index["weight_map"]
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     state = model.state_dict()
