@@ -245,3 +245,12 @@ def test_numpy_safetensors_writer_is_safetensors_byte_for_byte(tmp_path):
     theirs = {n: torch.from_numpy(a.data.copy()).view(carrier[a.dtype]) for n, a in ours.items()}
     save_file(theirs, str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+
+
+def test_convert_verify_prints_what_it_checked(tiny_v3, tmp_path):
+    from conftest import run_cli
+
+    out = run_cli("convert", tiny_v3, tmp_path / "o", "--mp", 2, "--verify").stdout
+    for check in ("load", "finite", "generate"):
+        assert f"PASS  {check}" in out, out
+    assert out.rstrip().endswith("OK"), out

@@ -77,8 +77,8 @@ def _print_result(report: RunReport) -> None:
         print(f"resumed: {result.resumed_from} tensors were already done")
     for note in result.plan.notes:
         print(f"  - {note}")
-    if report.verify is not None:
-        print(f"verify: {'PASS' if report.ok else 'FAIL'}")
+    if report.verify is not None:  # each check and what it found, not just the verdict
+        print(report.verify.render(result.dst))
 
 
 def _print_plan(rep: dict, as_json: bool) -> None:
