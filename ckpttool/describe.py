@@ -1,57 +1,91 @@
 """What a safetensors file or a checkpoint directory holds: tensors grouped by name pattern, dtypes,
-sizes, model_type and quantization (`ckpttool inspect`)."""
+sizes, model_type and quantization (`ckpttool inspect`).
+
+Every output ckpttool writes is one of two layouts: HF (an index or *.safetensors, each tensor name in
+one file) or mp (`model{i}-mp{N}.safetensors`, where split and replicated tensors repeat their name in
+every rank's file). An mp directory is read as its N rank files, so a repeated name is expected there,
+not an error; its tensor entries are keyed `file:name`."""
 
 from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
 
-from ckpttool.formats import FP8_BLOCK, MXFP4
-from ckpttool.io.checkpoint import Checkpoint
+from ckpttool.formats import CKPTTOOL_QUANTIZATION, FP8_SCALE, INT4_SCALES_AND_ZEROS, INT8_SCALES, MXFP4
+from ckpttool.io.checkpoint import Checkpoint, ShardFiles, read_config
+from ckpttool.io.layout import INDEX_NAME, MP_FILE, find_mp, mp_file
 from ckpttool.io.safetensors import read_header
+
+# (file, tensor name, dtype, shape, bytes)
+Entry = tuple[str, str, str, tuple[int, ...], int]
 
 
 def _pattern(name: str) -> str:
     return ".".join("{}" if p.isdigit() else p for p in name.split("."))
 
 
-def describe(path: Path) -> dict:
+def _is_mp_dir(path: Path) -> bool:
+    return not (path / INDEX_NAME).exists() and any(MP_FILE.fullmatch(p.name) for p in path.iterdir())
+
+
+def _entries(path: Path) -> tuple[str, int | None, list[Entry], dict]:
+    """(layout, mp, entries, config.json) of a file, an mp directory or an HF directory."""
     if path.is_file():
         sf = read_header(path)
-        tensors = {n: (i.dtype, i.shape, i.nbytes, path.name) for n, i in sf.tensors.items()}
-        config: dict = {}
-    else:
-        with Checkpoint(path) as ckpt:
-            tensors = {n: (s.info.dtype, s.info.shape, s.info.nbytes, s.file) for n, s in ckpt.tensors.items()}
-            config = ckpt.config
+        return "file", None, [(path.name, n, i.dtype, tuple(i.shape), i.nbytes) for n, i in sf.tensors.items()], {}
+    if _is_mp_dir(path):
+        mp = find_mp(path)
+        names = [mp_file(r, mp) for r in range(mp)]
+        with ShardFiles(path, names) as shards:
+            entries = [(f, n, i.dtype, tuple(i.shape), i.nbytes) for f in names for n, i in shards.files[f].tensors.items()]
+        config = read_config(path / "config.json") if (path / "config.json").exists() else {}
+        return "mp", mp, entries, config
+    with Checkpoint(path) as ckpt:
+        entries = [(s.file, n, s.info.dtype, tuple(s.info.shape), s.info.nbytes) for n, s in ckpt.tensors.items()]
+        return "hf", None, entries, ckpt.config
+
+
+def _count_leaf(names: set[str], leaf: str) -> int:
+    return sum(n.endswith("." + leaf) for n in names)
+
+
+def describe(path: Path) -> dict:
+    layout, mp, entries, config = _entries(path)
+    entries.sort(key=lambda e: (e[1], e[0]))
+    names = {e[1] for e in entries}
     by_dtype: Counter = Counter()
     bytes_by_dtype: Counter = Counter()
     groups: dict[str, dict] = {}
-    for name, (dtype, shape, nbytes, _) in sorted(tensors.items()):
+    for _, name, dtype, shape, nbytes in entries:
         by_dtype[dtype] += 1
         bytes_by_dtype[dtype] += nbytes
         g = groups.setdefault(_pattern(name), {"count": 0, "dtypes": set(), "shapes": set(), "bytes": 0})
         g["count"] += 1
         g["dtypes"].add(dtype)
-        g["shapes"].add(tuple(shape))
+        g["shapes"].add(shape)
         g["bytes"] += nbytes
-    scales = sum(n.endswith(FP8_BLOCK.scale_suffix) for n in tensors)
-    quant = config.get("quantization_config")
-    mxfp4 = sum(n.endswith(MXFP4.weight_suffix) for n in tensors)
+    # FP8 block weights: one scale per weight, `X.weight_scale_inv` in HF files, `Y.scale` in mp files
+    fp8 = _count_leaf(names, FP8_SCALE.hf_leaf) if layout != "mp" else _count_leaf(names, FP8_SCALE.native_leaf)
     return {
         "path": str(path),
-        "files": sorted({f for *_, f in tensors.values()}),
-        "tensors": len(tensors),
-        "total_bytes": sum(b for _, _, b, _ in tensors.values()),
+        "layout": layout,
+        "mp": mp,
+        "files": sorted({e[0] for e in entries}),
+        "tensors": len(entries),
+        "names": len(names),
+        "total_bytes": sum(e[4] for e in entries),
         "dtypes": {d: {"tensors": by_dtype[d], "bytes": bytes_by_dtype[d]} for d in sorted(by_dtype)},
         "model_type": config.get("model_type"),
         "quantization": {
-            "config": quant,
-            "fp8_block_weights": scales,
-            "mxfp4_blocks": mxfp4,
+            "config": config.get("quantization_config") or config.get(CKPTTOOL_QUANTIZATION),
+            "fp8_block_weights": fp8,
+            "mxfp4_blocks": sum(n.endswith(MXFP4.weight_suffix) for n in names),
+            "int8_weights": _count_leaf(names, INT8_SCALES),
+            "int4_weights": _count_leaf(names, INT4_SCALES_AND_ZEROS),
         },
         "groups": [{"pattern": p, "count": g["count"], "dtypes": sorted(g["dtypes"]),
                     "shapes": [list(s) for s in sorted(g["shapes"])], "bytes": g["bytes"]}
                    for p, g in groups.items()],
-        "all": {n: {"dtype": d, "shape": list(s), "bytes": b, "file": f} for n, (d, s, b, f) in sorted(tensors.items())},
+        "all": {(f"{f}:{n}" if layout == "mp" else n): {"dtype": d, "shape": list(s), "bytes": b, "file": f}
+                for f, n, d, s, b in entries},
     }

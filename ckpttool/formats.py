@@ -176,6 +176,7 @@ def declares_fp8_block(quant: object, source: object) -> bool:
 
 # -- the quantize stage's outputs ----------------------------------------------------------------------
 QUANTIZE_FORMATS = ("fp8_block", "int8", "int4")
+CKPTTOOL_QUANTIZATION = "ckpttool_quantization"  # config.json key of int8/int4 outputs (quantized_config)
 INT8_SCALES = "scales"  # gpt-fast's WeightOnlyInt8Linear: X.scales [M], the source dtype
 INT4_SCALES_AND_ZEROS = "scales_and_zeros"  # gpt-fast's int4: X.scales_and_zeros BF16 [N/g, M, 2]
 
@@ -213,6 +214,6 @@ def quantized_config(config: dict, fmt: str, group_size: int) -> dict:
         config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     else:
         config.pop("quantization_config", None)
-        config["ckpttool_quantization"] = {"format": fmt, "scheme": "gpt-fast weight-only",
+        config[CKPTTOOL_QUANTIZATION] = {"format": fmt, "scheme": "gpt-fast weight-only",
                                            **({"group_size": group_size} if fmt == "int4" else {})}
     return config

@@ -62,7 +62,7 @@ class MergeStage(_Strict):
     @classmethod
     def _size(cls, v: str) -> str:
         if defaults.parse_size(v) < 1:
-            raise ValueError("max_shard_size must be positive")
+            raise ValueError("must be positive")
         return v
 
 
@@ -115,7 +115,7 @@ class Execution(_Strict):
     @classmethod
     def _size(cls, v: str) -> str:
         if defaults.parse_size(v) < defaults.MIN_MAX_MEMORY:
-            raise ValueError("max_memory must be at least 16MiB")
+            raise ValueError("must be at least 16MiB")
         return v
 
 
@@ -124,7 +124,9 @@ class Recipe(_Strict):
     description: str = ""
     arch: str = "auto"
     """auto, or a config.json model_type of families/table.py that the input must have"""
-    mtp: Literal["drop", "keep"] = "drop"
+    mtp: Literal["auto", "drop", "keep"] = "auto"
+    """multi-token-prediction layers. auto: kept in HF outputs (vLLM and SGLang use them for speculative
+    decoding), dropped from mp shards (DeepSeek's reference model has no MTP)"""
     stages: list[Stage] = Field(min_length=1)
     execution: Execution = Execution()
 
@@ -161,7 +163,8 @@ class Recipe(_Strict):
     def spec(self) -> Spec:
         dq, sh, qz = self.stage("dequant"), self.stage("shard"), self.stage("quantize")
         return Spec(dequant=dq is not None, out_dtype=DTYPE_CODES[dq.dtype] if dq else "BF16",
-                    mp=sh.mp if sh else None, keep_mtp=self.mtp == "keep", arch=self.arch,
+                    mp=sh.mp if sh else None, arch=self.arch,
+                    keep_mtp=self.mtp == "keep" or (self.mtp == "auto" and sh is None),
                     quantize=qz.format if qz else None, group_size=qz.group_size if qz else 128)
 
     def job(self) -> Spec | MergeSpec:
@@ -172,7 +175,13 @@ class Recipe(_Strict):
         return self.spec()
 
 
-def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp: bool = False,
+PRESET_FLAGS = {"stages.shard.mp": "--mp", "stages.merge.max_shard_size": "--max-shard-size",
+                "stages.verify.device": "--device", "execution.max_memory": "--max-memory",
+                "execution.workers": "--workers", "execution.device": "--device"}
+"""the recipe keys command flags set (preset), for errors worded as the flags the user typed"""
+
+
+def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp: bool | None = None,
            merge_max_shard_size: str | None = None, verify_device: str | None = None,
            max_memory: str | None = None, workers: int | None = None, device: str = defaults.DEVICE) -> Recipe:
     """The recipe a command's flags stand for (`ckpttool convert --mp 8` is a dequant + shard recipe)."""
@@ -192,12 +201,33 @@ def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp:
         execution["workers"] = workers
     if max_memory:
         execution["max_memory"] = max_memory
-    return validate_recipe({"name": name, "mtp": "keep" if keep_mtp else "drop", "stages": stages,
-                            "execution": execution}, f"ckpttool {name}")
+    return validate_recipe({"name": name, "mtp": {None: "auto", True: "keep", False: "drop"}[keep_mtp], "stages": stages,
+                            "execution": execution}, f"ckpttool {name}", flags=PRESET_FLAGS)
+
+
+BUNDLED = Path(__file__).parent / "recipes"
+"""the recipes shipped in the package (a checkout's recipes/ points here): `ckpttool run NAME` finds them"""
+
+
+def bundled_recipes() -> list[str]:
+    return sorted(p.stem for p in BUNDLED.glob("*.yaml"))
+
+
+def find_recipe(arg: str | Path) -> Path:
+    """A recipe file that exists, else the bundled recipe of that name (`deepseek-v3-mp8-bf16`, with
+    or without .yaml, no directory part)."""
+    path = Path(arg)
+    if path.exists():
+        return path
+    name = path.name.removesuffix(".yaml")
+    if path.parent == Path(".") and name in bundled_recipes():
+        return BUNDLED / f"{name}.yaml"
+    raise RecipeError("no such recipe file, and no bundled recipe of that name", file=path,
+                      fix=f"pass a YAML file, or a bundled recipe by name: {', '.join(bundled_recipes())}")
 
 
 def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
-    path = Path(path)
+    path = find_recipe(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -213,15 +243,25 @@ def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
     return validate_recipe(data, path, text)
 
 
-def validate_recipe(data: dict, source: object = "<recipe>", text: str | None = None) -> Recipe:
+def validate_recipe(data: dict, source: object = "<recipe>", text: str | None = None,
+                    flags: dict[str, str] | None = None) -> Recipe:
+    """The Recipe, or a RecipeError naming the key path and line. An unknown key is reported before
+    what its absence leaves missing (`mpp:` is the typo, not `mp: Field required`). `flags` maps
+    key paths to the command-line flags that set them, so a preset's errors name the flag."""
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         loc = ".".join(str(p) for p in err["loc"])
+        key = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
+        for path, flag in (flags or {}).items():
+            if key == path or key.startswith(path + "."):
+                raise RecipeError(f"{source}: {flag}: {msg.removeprefix('Value error, ')}",
+                                  fix=f"see `{source} --help` for {flag}") from None
         line = _line_of(text, err["loc"]) if text else None
         where = f"{source}" + (f":{line}" if line else "")
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         raise RecipeError(f"{where}: {loc or '(top level)'}: {msg}", fix=_fix_for(err)) from None
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckpttool import defaults
-from ckpttool.errors import CkptError, OutputError, RecipeError
+from ckpttool.errors import CkptError, InputError, OutputError, RecipeError
 from ckpttool.execute.distributed import Group, assign_files, world
 from ckpttool.execute.executor import execute
 from ckpttool.execute.staging import Staging
@@ -140,18 +140,29 @@ def reports_here() -> bool:
 
 
 def resolve_input(recipe: Recipe, src: str | Path | None, *, quiet: bool) -> Path:
-    """A local directory as it is; anything else is a hub repo id, downloaded (with the recipe's
-    download options) into the HF cache."""
+    """`run -i`: decided by what exists on disk and by the recipe. A local directory is used as it is;
+    a repo id is downloaded (with the recipe's download options) into the HF cache when the recipe has
+    a download stage, or when it looks like one (`namespace/name`) and nothing of that path exists
+    locally; anything else is a missing local directory, and the error says so."""
     if src is None:
         raise RecipeError("no input given", fix="pass --input SRC (a directory or a hub repo id)")
-    local = Path(src).expanduser()
+    text = str(src)
+    local = Path(text).expanduser()
     if local.is_dir():
         return local
+    if local.exists():
+        raise InputError("input is not a directory", file=local,
+                         fix="pass the checkpoint directory (the one holding config.json and *.safetensors)")
+    dl = recipe.stage("download")
+    path_like = text.startswith((".", "/", "~")) or local.parent.exists() and local.parent != Path(".")
+    if dl is None and (path_like or text.count("/") != 1):
+        raise InputError("input directory does not exist", file=local,
+                         fix="check the path; a hub repo id (namespace/name) is downloaded only when no such "
+                             "local path exists or the recipe has a download stage")
     from ckpttool import hub  # huggingface_hub loads only for hub inputs
 
-    dl = recipe.stage("download")
     kwargs = dl.model_dump() if dl is not None else {}
-    return Path(hub.download_checkpoint(str(src), quiet=quiet, **kwargs).path)
+    return Path(hub.download_checkpoint(text, quiet=quiet, **kwargs).path)
 
 
 def plan_only(src: Path, job: Job) -> Plan:

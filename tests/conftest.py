@@ -19,6 +19,17 @@ REPO = Path(__file__).resolve().parents[1]
 # the reference scripts sit in ../shared beside the checkout (CI, developers); machines that only get
 # the checkout (the GPU machine) point CKPTTOOL_SEEDS at a copy
 SEEDS = Path(os.environ.get("CKPTTOOL_SEEDS", REPO.parent / "shared" / "seeds" / "deepseek_v3_inference"))
+SEEDS_MISSING = (f"needs DeepSeek's reference scripts (convert.py, kernel.py), not found in {SEEDS}: copy the "
+                 "`inference/` folder of github.com/deepseek-ai/DeepSeek-V3 (e.g. to .seeds/, git-ignored) and "
+                 "set CKPTTOOL_SEEDS to it")
+
+
+def require_seeds() -> Path:
+    """SEEDS, or skip the calling test with a reason that says how to get them (a plain clone has no
+    ../shared; CI and developers do, so there nothing is skipped)."""
+    if not (SEEDS / "convert.py").is_file():
+        pytest.skip(SEEDS_MISSING)
+    return SEEDS
 
 
 @pytest.fixture(scope="session")

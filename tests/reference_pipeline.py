@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import SEEDS
+from conftest import require_seeds
 
 
 def formula_dequant(w: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -42,7 +42,8 @@ def reference_dequant(src: Path, dst: Path) -> Path:
 
 
 def reference_convert(src: Path, dst: Path, mp: int) -> Path:
+    seeds = require_seeds()
     n_experts = json.loads((src / "config.json").read_text())["n_routed_experts"]
-    subprocess.run([sys.executable, str(SEEDS / "convert.py"), "--hf-ckpt-path", str(src), "--save-path", str(dst),
+    subprocess.run([sys.executable, str(seeds / "convert.py"), "--hf-ckpt-path", str(src), "--save-path", str(dst),
                     "--n-experts", str(n_experts), "--model-parallel", str(mp)], check=True, capture_output=True)
     return dst

@@ -61,7 +61,8 @@ def test_dequant_hf_output_loads_in_transformers_as_plain_bf16(tiny_v3, tmp_path
     assert index["metadata"]["total_size"] == sizes
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
-    assert config["num_nextn_predict_layers"] == 0  # MTP dropped by default, and the config says so
+    # an HF output keeps the MTP layer by default (vLLM and SGLang use it for speculative decoding)
+    assert config["num_nextn_predict_layers"] == 1 and "model.layers.3.eh_proj.weight" in index["weight_map"]
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     state = model.state_dict()
@@ -212,9 +213,9 @@ def test_triton_dequant_bits_equal_cpu_and_reference_kernel():
     import importlib.util
 
     from ckpttool.kernels.fp8 import dequant_fp8_block, quantize_fp8_block
-    from conftest import SEEDS
+    from conftest import require_seeds
 
-    spec = importlib.util.spec_from_file_location("ref_kernel", SEEDS / "kernel.py")
+    spec = importlib.util.spec_from_file_location("ref_kernel", require_seeds() / "kernel.py")
     ref_kernel = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ref_kernel)
     g = torch.Generator().manual_seed(1)
@@ -290,10 +291,10 @@ def test_fused_convert_equals_unmodified_reference_scripts_on_gpu(tiny_v3_no_mtp
     import subprocess
     import sys
 
-    from conftest import SEEDS
+    from conftest import require_seeds
 
     subprocess.run([sys.executable, "fp8_cast_bf16.py", "--input-fp8-hf-path", str(tiny_v3_no_mtp),
-                    "--output-bf16-hf-path", str(tmp_path / "ref-bf16")], cwd=SEEDS, check=True, capture_output=True)
+                    "--output-bf16-hf-path", str(tmp_path / "ref-bf16")], cwd=require_seeds(), check=True, capture_output=True)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "ref-bf16" / name).write_bytes((tiny_v3_no_mtp / name).read_bytes())
     ref = reference_convert(tmp_path / "ref-bf16", tmp_path / "ref", 2)

@@ -1,16 +1,34 @@
 """The typer app, with every command registered explicitly, in the order `--help` lists them."""
 
+from typing import Annotated
+
 import typer
 
+from ckpttool import __version__
 from ckpttool.cli import demo, download, inspect, pipeline, verify
 
 app = typer.Typer(
     name="ckpttool",
-    help="Convert, dequantize, shard and verify large MoE checkpoints with bounded memory.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"ckpttool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(version: Annotated[bool, typer.Option("--version", "-V", callback=_print_version, is_eager=True,
+                                              help="Print ckpttool's version and exit.")] = False) -> None:
+    """Convert, dequantize, shard and verify large MoE checkpoints with bounded memory.
+
+    Example: ckpttool demo ./demo-out
+    """
 
 COMMANDS = (
     ("download", download.download),

@@ -43,14 +43,20 @@ def inspect(path: Annotated[Path, typer.Argument(help="A .safetensors file or a 
     if json_:
         print(json.dumps(info, indent=2))
         return
-    print(f"{info['path']}: {info['tensors']} tensors in {len(info['files'])} files, {info['total_bytes'] / 1e9:.3f} GB"
+    layout = f"mp{info['mp']} shards" if info["layout"] == "mp" else f"{len(info['files'])} files"
+    names = f" ({info['names']} names)" if info["names"] != info["tensors"] else ""
+    print(f"{info['path']}: {info['tensors']} tensors{names} in {layout}, {info['total_bytes'] / 1e9:.3f} GB"
           + (f", model_type {info['model_type']}" if info["model_type"] else ""))
     for d, v in info["dtypes"].items():
         print(f"  {d:<8} {v['tensors']:>7} tensors  {v['bytes'] / 1e9:10.3f} GB")
     q = info["quantization"]
-    if q["config"] or q["fp8_block_weights"] or q["mxfp4_blocks"]:
-        print(f"quantization: {json.dumps(q['config']) if q['config'] else 'no quantization_config'}; "
-              f"{q['fp8_block_weights']} FP8 block-scaled weights, {q['mxfp4_blocks']} MXFP4 block tensors")
+    kinds = [f"{q[key]} {what}" for key, what in (("fp8_block_weights", "FP8 block-scaled weights"),
+                                                 ("mxfp4_blocks", "MXFP4 block tensors"),
+                                                 ("int8_weights", "int8 weights"), ("int4_weights", "int4 weights"))
+             if q[key]]
+    if q["config"] or kinds:
+        print(f"quantization: {json.dumps(q['config']) if q['config'] else 'no quantization config'}"
+              + (f"; {', '.join(kinds)}" if kinds else ""))
     rows = info["all"].items() if tensors else [(g["pattern"], g) for g in info["groups"]]
     for name, v in rows:
         if tensors:

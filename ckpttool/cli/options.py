@@ -7,6 +7,27 @@ from typing import Annotated, Optional
 import typer
 
 from ckpttool import defaults
+from ckpttool.errors import CkptError
+
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def torch_installed() -> bool:
+    """Without importing it (seconds of start-up)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require_torch(what: str, extra: str) -> None:
+    """The core install has no torch: a command that needs it says which extra brings it."""
+    if not torch_installed():
+        raise CkptError(f"{what} needs torch, which the core install of ckpttool leaves out",
+                        fix=f"pip install 'ckpttool[{extra}]' (on a machine without a GPU, first "
+                            f"pip install torch --index-url {TORCH_CPU_INDEX})")
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output; errors are still printed.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one machine-readable JSON object on stdout.")]
@@ -22,3 +43,6 @@ Workers = Annotated[Optional[int], typer.Option(
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace ckpttool output already in DST.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in DST; byte-identical result.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit; reads no weights.")]
+KeepMtp = Annotated[Optional[bool], typer.Option(
+    "--keep-mtp/--drop-mtp", show_default=False,
+    help="Keep or drop multi-token-prediction layers (default: kept in HF outputs, dropped from mp shards).")]

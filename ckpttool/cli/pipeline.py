@@ -13,12 +13,25 @@ from typing import Annotated, Optional
 import typer
 
 from ckpttool import defaults
-from ckpttool.cli.options import Device, DryRun, Dst, Json, MaxMemory, Mp, Overwrite, Quiet, Resume, Src, Workers
+from ckpttool.cli.options import (
+    Device,
+    DryRun,
+    Dst,
+    Json,
+    KeepMtp,
+    MaxMemory,
+    Mp,
+    Overwrite,
+    Quiet,
+    Resume,
+    Src,
+    Workers,
+    require_torch,
+)
 from ckpttool.errors import RecipeError
-from ckpttool.recipe import Recipe, load_recipe, preset
+from ckpttool.recipe import Recipe, bundled_recipes, load_recipe, preset
 from ckpttool.runner import Request, RunReport, reports_here, run as run_request
 
-KeepMtp = Annotated[bool, typer.Option("--keep-mtp", help="Keep multi-token-prediction layers (dropped by default).")]
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bf16: dequantize FP8 weights; fp8: keep them (with split scales).")]
 VerifyOpt = Annotated[bool, typer.Option("--verify", help="After publishing, run `ckpttool verify` on the output.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a recipe key: shard.mp=4, execution.workers=8.")]
@@ -64,8 +77,8 @@ def _print_result(report: RunReport) -> None:
         print(f"resumed: {result.resumed_from} tensors were already done")
     for note in result.plan.notes:
         print(f"  - {note}")
-    if report.verify is not None:
-        print(f"verify: {'PASS' if report.ok else 'FAIL'}")
+    if report.verify is not None:  # each check and what it found, not just the verdict
+        print(report.verify.render(result.dst))
 
 
 def _print_plan(rep: dict, as_json: bool) -> None:
@@ -87,7 +100,7 @@ def _print_plan(rep: dict, as_json: bool) -> None:
         print(f"  - {note}")
 
 
-def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = False, max_memory: MaxMemory = None,
+def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None, max_memory: MaxMemory = None,
             workers: Workers = None, device: Device = defaults.DEVICE, overwrite: Overwrite = False,
             resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """FP8 HF checkpoint -> BF16 HF checkpoint (index, config and tokenizer rewritten/copied).
@@ -101,11 +114,13 @@ def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = Fa
 
 
 def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, help="Model-parallel ranks.")],
-          dtype: DtypeOpt = None, keep_mtp: KeepMtp = False, max_memory: MaxMemory = None, workers: Workers = None,
+          dtype: DtypeOpt = None, keep_mtp: KeepMtp = None, max_memory: MaxMemory = None, workers: Workers = None,
           device: Device = defaults.DEVICE, overwrite: Overwrite = False, resume: Resume = False,
           dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
-    """HF checkpoint -> model{i}-mp{N}.safetensors in the reference DeepSeek layout. FP8 stays FP8 (with
-    split scales, like the reference convert.py) unless --dtype bf16.
+    """HF checkpoint -> model{i}-mp{N}.safetensors shards (FP8 kept unless --dtype bf16).
+
+    The reference DeepSeek layout (or the family's own mp layout); FP8 weights stay FP8 with split
+    scales, like the reference convert.py, unless --dtype bf16.
 
     Example: ckpttool shard ./DeepSeek-V3 ./DeepSeek-V3-mp8 --mp 8
     """
@@ -114,7 +129,7 @@ def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, hel
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run)
 
 
-def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = False,
+def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None,
             verify: VerifyOpt = False, max_memory: MaxMemory = None, workers: Workers = None,
             device: Device = defaults.DEVICE, overwrite: Overwrite = False, resume: Resume = False,
             dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
@@ -124,15 +139,24 @@ def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mt
     """
     if verify and mp is None:
         raise RecipeError("--verify loads model-parallel shards", fix="add --mp N")
-    recipe = preset("convert", dequant=_dequant_flag(dtype, True), mp=mp, keep_mtp=keep_mtp,
-                    verify_device=device if verify else None, max_memory=max_memory, workers=workers, device=device)
+    if verify:
+        require_torch("convert --verify", "verify")
+    recipe = _convert_recipe("convert", mp, dtype, keep_mtp, device if verify else None, max_memory, workers, device)
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run)
 
 
-def merge(src: Src, dst: Dst,
+def _convert_recipe(name: str, mp: int | None, dtype: str | None, keep_mtp: bool | None, verify_device: str | None,
+                    max_memory: str | None, workers: int | None, device: str) -> Recipe:
+    """convert's flags as a recipe; `plan` takes the same flags and defaults, so it previews convert."""
+    return preset(name, dequant=_dequant_flag(dtype, True), mp=mp, keep_mtp=keep_mtp, verify_device=verify_device,
+                  max_memory=max_memory, workers=workers, device=device)
+
+
+def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.safetensors shards and config.json.")],
+          dst: Dst,
           max_shard_size: Annotated[str, typer.Option(
               "--max-shard-size", help="Largest output file before splitting into model-0000i-of-0000n "
-                                       f"(default {defaults.MAX_SHARD_SIZE}, as transformers).")] = defaults.MAX_SHARD_SIZE,
+                                       "(the default is transformers').")] = defaults.MAX_SHARD_SIZE,
           max_memory: MaxMemory = None, workers: Workers = None, overwrite: Overwrite = False, resume: Resume = False,
           dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """mp shards (any layout ckpttool writes: DeepSeek, dense; BF16 or FP8 with scales) -> HF checkpoint.
@@ -146,14 +170,17 @@ def merge(src: Src, dst: Dst,
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run)
 
 
-def run(recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE.yaml", help="Recipe file (see recipes/).")],
-        input_: Annotated[Optional[str], typer.Option("--input", "-i", help="Input dir, or a hub repo id to download.")] = None,
+def run(recipe_path: Annotated[Path, typer.Argument(
+            metavar="RECIPE", help="A recipe file, or a bundled recipe's name: " + ", ".join(bundled_recipes()) + ".")],
+        input_: Annotated[Optional[str], typer.Option(
+            "--input", "-i", help="Input directory; or a hub repo id (namespace/name), downloaded when the recipe has a "
+                                  "download stage or no such local path exists.")] = None,
         output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory.")] = None,
         set_: SetOpt = None, overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False,
         quiet: Quiet = False, json_: Json = False) -> None:
     """Run a YAML recipe: its download, dequant, shard and verify stages, each optional, in one pass.
 
-    Example: ckpttool run recipes/deepseek-v3-mp8-bf16.yaml -i deepseek-ai/DeepSeek-V3 -o ./v3-mp8 --set shard.mp=4
+    Example: ckpttool run deepseek-v3-mp8-bf16 -i ./DeepSeek-V3 -o ./v3-mp4 --set shard.mp=4
     """
     recipe = load_recipe(recipe_path, set_ or [])
     _execute(recipe, input_, output, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
@@ -161,16 +188,19 @@ def run(recipe_path: Annotated[Path, typer.Argument(metavar="RECIPE.yaml", help=
 
 
 def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output directory (for the free-space check).")] = None,
-         mp: Mp = None, dtype: DtypeOpt = None, keep_mtp: KeepMtp = False,
-         recipe_path: Annotated[Optional[Path], typer.Option("--recipe", help="Plan a recipe instead of flags.")] = None,
+         mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None,
+         recipe_path: Annotated[Optional[str], typer.Option(
+             "--recipe", help="Plan a recipe (a file or a bundled recipe's name) instead of flags.")] = None,
          set_: SetOpt = None, max_memory: MaxMemory = None, workers: Workers = None, json_: Json = False) -> None:
-    """Print the plan (files, tensors, bytes to write, disk and memory needed) from headers alone.
+    """Print what `convert` with the same flags would write, from headers alone.
 
-    Example: ckpttool plan ./DeepSeek-V3 --mp 8 --dtype bf16
+    The same flags and defaults as convert (BF16 unless --dtype fp8; `convert ... --dry-run` prints the
+    same plan): files, tensors, bytes to write, disk and memory needed. Reads no weights.
+
+    Example: ckpttool plan ./DeepSeek-V3 --mp 8            (what `ckpttool convert ./DeepSeek-V3 out --mp 8` writes)
     """
     if recipe_path is not None:
         recipe = load_recipe(recipe_path, set_ or [])
     else:
-        recipe = preset("plan", dequant=_dequant_flag(dtype, mp is None), mp=mp, keep_mtp=keep_mtp,
-                        max_memory=max_memory, workers=workers)
+        recipe = _convert_recipe("plan", mp, dtype, keep_mtp, None, max_memory, workers, defaults.DEVICE)
     _execute(recipe, src, dst, as_json=json_, dry_run=True)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ckpttool.cli.options import Json, Quiet
+from ckpttool.cli.options import Json, Quiet, require_torch
 from ckpttool.errors import InputError
 from ckpttool.verify.defaults import DEFAULT_PROMPT, DEFAULT_TOLERANCE
 
@@ -49,6 +49,7 @@ def verify(
 
     Under torchrun each process is one rank: torchrun --nproc-per-node 8 $(which ckpttool) verify ./V3-mp8 --device cuda
     """
+    require_torch("verify", "verify")
     from ckpttool.verify.run import reports_here, run_verify  # torch loads only when this command runs
 
     ids = _parse_ids(prompt_ids) if prompt_ids is not None else None

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from dataclasses import dataclass
 
 from pathlib import Path
 
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.table import family_for
-from ckpttool.formats import quantized_config
+from ckpttool.formats import CKPTTOOL_QUANTIZATION, quantized_config
 from ckpttool.io.checkpoint import Checkpoint, ShardFiles
 from ckpttool.io.layout import mp_file
 from ckpttool.plan import dequant as dequant_stage
@@ -46,6 +47,11 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     if not ckpt.config:
         raise InputError("config.json is missing", file=config_path,
                          fix="copy the checkpoint's config.json beside its safetensors files")
+    ours = ckpt.config.get(CKPTTOOL_QUANTIZATION)
+    if isinstance(ours, dict):
+        raise PlanError(f"this is ckpttool's {ours.get('format')} output (config.json {CKPTTOOL_QUANTIZATION}): "
+                        "gpt-fast's weight-only layout cannot be dequantized, sharded or quantized again",
+                        file=config_path, fix="convert the BF16 checkpoint it was quantized from instead")
     family = family_for(ckpt.config, config_path)
     if spec.arch != "auto" and ckpt.config.get("model_type") != spec.arch:
         raise InputError(f"recipe is for {spec.arch}, but config.json says model_type "
@@ -64,6 +70,9 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         dropped = {t.name for t in mtp}
         tensors = [t for t in tensors if t.name not in dropped]
         notes.append(f"dropped {len(dropped)} MTP tensors (keep them with --keep-mtp)")
+    if spec.quantize is not None and not _torch_installed():
+        raise PlanError(f"the quantize stage ({spec.quantize}) needs torch, which the core install leaves out",
+                        file=config_path, fix="pip install 'ckpttool[quantize]'")
     if spec.dequant:
         tensors, n_quant = dequant_stage.dequant(tensors, spec.out_dtype)
         notes.append(f"dequantized {n_quant} quantized weights to {spec.out_dtype}" if n_quant else
@@ -105,6 +114,13 @@ def input_fingerprints(inputs: ShardFiles) -> dict[str, dict]:
             header = f.read(sf.data_start)
         out[name] = {"size": sf.path.stat().st_size, "header_sha256": hashlib.sha256(header).hexdigest()}
     return out
+
+
+def _torch_installed() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoint) -> None:

@@ -8,16 +8,21 @@ an index, FP8 e4m3 128x128 block weights with `weight_scale_inv`, config.json wi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ckpttool.families.base import layer_index
 from ckpttool.families.deepseek.spec import DeepseekConfig, hf_tensor_shapes, is_fp8_in_published_checkpoint
-from ckpttool.families.demo_files import write_configs, write_shards, write_tokenizer
+from ckpttool.families.demo_files import (
+    Array,
+    bf16,
+    bf16_to_f32,
+    quantize_fp8_block,
+    write_configs,
+    write_shards,
+    write_tokenizer,
+)
 from ckpttool.formats import FP8_QUANTIZATION_CONFIG, SCALE_SUFFIX
-from ckpttool.kernels.fp8 import quantize_fp8_block
-
-if TYPE_CHECKING:
-    import torch
 
 # Dimensions keep FP8 128x128 blocks meaningful (partial blocks included: kv_a has 192 rows) and
 # keep every FP8 split block-aligned at mp 2, like the real V3 at mp 8.
@@ -59,23 +64,22 @@ def build_checkpoint(dst: Path, preset: str = "tiny-v3", *, fp8: bool | None = N
     """Write a random-weight HF DeepSeek checkpoint to `dst` and return it.
 
     fp8 defaults to True for V3 presets (as published) and False otherwise. `scales_in_last_file`
-    moves every `weight_scale_inv` away from its weight, to exercise index resolution.
+    moves every `weight_scale_inv` away from its weight, to exercise index resolution. numpy only
+    (`ckpttool demo` needs no torch); the FP8 bits are kernels.fp8.quantize_fp8_block's.
     """
-    import torch
-
     raw = {**PRESETS[preset], **(overrides or {})}
     cfg = DeepseekConfig.from_dict(raw)
     fp8 = raw["model_type"] == "deepseek_v3" if fp8 is None else fp8
-    gen = torch.Generator().manual_seed(seed)
+    gen = np.random.default_rng(seed)
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Array] = {}
     for name, shape in hf_tensor_shapes(cfg).items():
         tensors.update(_make_tensor(name, shape, fp8, gen))
 
     n_layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
-    files: list[dict[str, torch.Tensor]] = [{} for _ in range(n_files)]
+    files: list[dict[str, Array]] = [{} for _ in range(n_files)]
     for name, t in tensors.items():
         layer = layer_index(name)
         idx = 0 if layer is None else min(n_files - 1, layer * n_files // max(n_layers, 1))
@@ -89,16 +93,14 @@ def build_checkpoint(dst: Path, preset: str = "tiny-v3", *, fp8: bool | None = N
     return dst
 
 
-def _make_tensor(name: str, shape: tuple[int, ...], fp8: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    import torch
-
+def _make_tensor(name: str, shape: tuple[int, ...], fp8: bool, gen: np.random.Generator) -> dict[str, Array]:
     if name.endswith("e_score_correction_bias"):
-        return {name: torch.rand(shape, generator=gen, dtype=torch.float32) * 0.1}
+        return {name: Array("F32", gen.random(shape, dtype=np.float32) * np.float32(0.1))}
     if name.endswith("norm.weight"):
-        return {name: (1.0 + 0.1 * torch.randn(shape, generator=gen)).to(torch.bfloat16)}
+        return {name: bf16(1.0 + 0.1 * gen.standard_normal(shape, dtype=np.float32))}
     fan_in = shape[-1]
-    w = (torch.randn(shape, generator=gen) * (1.0 / fan_in) ** 0.5).to(torch.bfloat16)
+    w = bf16(gen.standard_normal(shape, dtype=np.float32) * np.float32((1.0 / fan_in) ** 0.5))
     if fp8 and is_fp8_in_published_checkpoint(name):
-        q, s = quantize_fp8_block(w)
+        q, s = quantize_fp8_block(bf16_to_f32(w))
         return {name: q, name + SCALE_SUFFIX: s}
     return {name: w}
