@@ -73,6 +73,7 @@ class VerifyStage(_Strict):
     device: Literal["cpu", "cuda", "auto"] = "auto"
     dtype: Literal["bfloat16", "float32"] = "float32"
     reference: Optional[str] = None
+    """an HF checkpoint to compare logits with; `input`: the run's own input, where it fits in memory"""
     tolerance: Optional[float] = None
 
 
@@ -181,6 +182,10 @@ PRESET_FLAGS = {"stages.shard.mp": "--mp", "stages.merge.max_shard_size": "--max
 """the recipe keys command flags set (preset), for errors worded as the flags the user typed"""
 
 
+INPUT = "input"
+"""verify.reference: the run's own input checkpoint"""
+
+
 def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp: bool | None = None,
            merge_max_shard_size: str | None = None, verify_device: str | None = None,
            max_memory: str | None = None, workers: int | None = None, device: str = defaults.DEVICE) -> Recipe:
@@ -194,8 +199,8 @@ def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp:
         stages.append({"shard": {"mp": mp}})
     if not stages:
         stages.append({"dequant": {"dtype": "bf16"}})
-    if verify_device is not None:
-        stages.append({"verify": {"device": verify_device}})
+    if verify_device is not None:  # a command's --verify compares with the input it converted, where it fits
+        stages.append({"verify": {"device": verify_device, "reference": INPUT}})
     execution: dict = {"device": device}
     if workers is not None:
         execution["workers"] = workers

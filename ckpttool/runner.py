@@ -21,6 +21,8 @@ from ckpttool.execute.distributed import Group, assign_files, world
 from ckpttool.execute.executor import execute
 from ckpttool.execute.staging import Staging
 from ckpttool.execute.tasks import make_tasks
+from ckpttool.dtypes import itemsize
+from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.layout import PARTIAL_DIR
 from ckpttool.plan.build import Spec
 from ckpttool.plan.merge import MergeSpec
@@ -28,7 +30,7 @@ from ckpttool.plan.types import Plan
 from ckpttool.progress import Progress
 from ckpttool.publish.destination import SPACE_MARGIN, already_complete, check_destination, check_free_space
 from ckpttool.publish.publish import publish
-from ckpttool.recipe import Execution, Recipe
+from ckpttool.recipe import INPUT, Execution, Recipe
 from ckpttool.timing import Timings
 
 Job = Spec | MergeSpec
@@ -99,6 +101,7 @@ class RunReport:
     recipe: str
     result: RunResult
     verify: object | None = None  # verify.run.VerifyReport
+    reference_skipped: str | None = None  # why a verify stage did not compare with the input
 
     @property
     def ok(self) -> bool:
@@ -108,6 +111,8 @@ class RunReport:
         report = {"ok": self.ok, "recipe": self.recipe, **self.result.summary()}
         if self.verify is not None:
             report["verify"] = self.verify.to_json()
+        if self.reference_skipped:
+            report["verify_reference_skipped"] = self.reference_skipped
         return report
 
 
@@ -128,10 +133,34 @@ def run(request: Request) -> RunReport | dict:
     if verify is not None:
         from ckpttool.verify.run import run_verify  # torch loads only when a verify stage runs
 
-        report.verify = run_verify(request.dst, reference=verify.reference, prompt=verify.prompt,
+        reference, skipped = verify.reference, None
+        if reference == INPUT:
+            reference, skipped = _input_reference(src, report.result)
+        report.verify = run_verify(request.dst, reference=reference, prompt=verify.prompt,
                                    prompt_ids=verify.prompt_ids, max_new_tokens=verify.max_new_tokens,
                                    device=verify.device, dtype=verify.dtype, tolerance=verify.tolerance)
+        report.reference_skipped = skipped
     return report
+
+
+REFERENCE_RAM_FRACTION = 0.25
+"""verify's reference runs unsharded in float32 on one process: the input is compared only when its
+float32 size is at most this share of the machine's memory"""
+
+
+def _input_reference(src: Path, result: RunResult) -> tuple[Path | None, str | None]:
+    """The input as verify's reference where loading it whole is safe here, else (None, why not)."""
+    import os
+
+    with Checkpoint(src) as ckpt:
+        elements = sum(t.info.nbytes // itemsize(t.info.dtype) for t in ckpt.tensors.values())
+    need = elements * 4
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > REFERENCE_RAM_FRACTION * ram:
+        return None, (f"comparing with the input would load it whole in float32 ({need / 2**30:.1f} GiB, over "
+                      f"{REFERENCE_RAM_FRACTION:.0%} of this machine's {ram / 2**30:.0f} GiB); run "
+                      "`ckpttool verify DST --reference SRC` on a larger machine")
+    return src, None
 
 
 def reports_here() -> bool:

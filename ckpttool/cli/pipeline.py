@@ -79,6 +79,8 @@ def _print_result(report: RunReport) -> None:
         print(f"  - {note}")
     if report.verify is not None:  # each check and what it found, not just the verdict
         print(report.verify.render(result.dst))
+    if report.reference_skipped:
+        print(f"  (not compared with the input: {report.reference_skipped})")
 
 
 def _print_plan(rep: dict, as_json: bool) -> None:
