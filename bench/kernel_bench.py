@@ -116,12 +116,14 @@ def main() -> int:
     sets = [random_fp8(rows, cols, "cuda", gen) for _ in range(2)]
     state = {"i": 0}
 
-    def ours():
-        w, s = sets[state["i"] % len(sets)]
-        state["i"] += 1
-        return dequant_fp8_block(w, s)
+    def rotating(kernel):
+        def call():
+            w, s = sets[state["i"] % len(sets)]
+            state["i"] += 1
+            return kernel(w, s)
+        return call
 
-    sec = time_cuda(ours, args.reps)
+    sec = time_cuda(rotating(dequant_fp8_block), args.reps)
     result["ckpttool"] = {"seconds": sec, "bytes_per_s": moved / sec,
                           "fraction_of_peak": moved / sec / peak if peak else None,
                           "fraction_of_d2d_copy": moved / sec / result["d2d_copy_bytes_per_s"]}
@@ -129,12 +131,7 @@ def main() -> int:
     # the executor's path: the NaN flag is read after a synchronize the caller does anyway
     from ckpttool.kernels.fp8 import dequant_fp8_block_lazy
 
-    def ours_lazy():
-        w, s = sets[state["i"] % len(sets)]
-        state["i"] += 1
-        return dequant_fp8_block_lazy(w, s)
-
-    sec = time_cuda(ours_lazy, args.reps)
+    sec = time_cuda(rotating(dequant_fp8_block_lazy), args.reps)
     result["ckpttool_no_sync"] = {"seconds": sec, "bytes_per_s": moved / sec,
                                   "fraction_of_peak": moved / sec / peak if peak else None}
     w, s = sets[0]
@@ -150,12 +147,7 @@ def main() -> int:
 
             torch.set_default_dtype(torch.bfloat16)  # as fp8_cast_bf16.py does: output dtype
             try:
-                def ref():
-                    w, s = sets[state["i"] % len(sets)]
-                    state["i"] += 1
-                    return weight_dequant(w, s)
-
-                sec = time_cuda(ref, args.reps)
+                sec = time_cuda(rotating(weight_dequant), args.reps)
                 ref_out = weight_dequant(*sets[0])
             finally:
                 torch.set_default_dtype(torch.float32)
