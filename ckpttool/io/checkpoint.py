@@ -10,6 +10,7 @@ absolute paths and odd names there are errors.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import threading
@@ -34,6 +35,7 @@ from ckpttool.io.safetensors import (
 
 MAX_INDEX_BYTES = 256 * 1024 * 1024  # DeepSeek-V3's index is ~9 MB for 92k tensors
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
+FINGERPRINT_SAMPLES, FINGERPRINT_BLOCK = 64, 4096  # 256 KiB read per input file
 _FIX_INDEX = "the index is corrupt or hostile; re-download model.safetensors.index.json"
 
 
@@ -81,6 +83,26 @@ class ShardFiles:
         """One tensor's bytes, into fresh memory."""
         info = self.info(fname, name)
         return read_bytes(self.fd(fname), info.start, info.nbytes, self.root / fname)
+
+    def paths(self) -> list[Path]:
+        return [self.root / fname for fname in sorted(self.files)]
+
+    def fingerprint(self) -> dict[str, list]:
+        """What --resume binds its journal to: each input file's size, mtime, ctime (which no one can
+        set back) and sha256 of its header and FINGERPRINT_SAMPLES blocks spread over its data."""
+        out = {}
+        for fname in sorted(self.files):
+            fd = self.fd(fname)
+            st = os.fstat(fd)
+            h = hashlib.sha256()
+            size = st.st_size
+            offsets = {0, *(size * i // FINGERPRINT_SAMPLES for i in range(1, FINGERPRINT_SAMPLES)),
+                       max(0, size - FINGERPRINT_BLOCK)}
+            for off in sorted(offsets):
+                h.update(os.pread(fd, FINGERPRINT_BLOCK, off))
+            h.update(os.pread(fd, min(self.files[fname].data_start, 1 << 24), 0))
+            out[fname] = [size, st.st_mtime_ns, st.st_ctime_ns, h.hexdigest()]
+        return out
 
     def close(self) -> None:
         with self._lock:
