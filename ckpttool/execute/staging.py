@@ -6,6 +6,7 @@ finished one into the output.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -58,8 +59,8 @@ class Staging:
             if self.dir.exists():
                 shutil.rmtree(self.dir)
             self.dir.mkdir(parents=True)
-            atomic_write(plan_path, json.dumps({"plan_hash": self.plan_hash, "inputs": inputs,
-                                                "plan": plan.to_json()}).encode())
+            atomic_write(plan_path, json.dumps({"plan_hash": self.plan_hash, "resume_key": resume_key(plan),
+                                                "inputs": inputs, "plan": plan.to_json()}).encode())
         else:
             self._check_resumable(plan_path, inputs)
             self._load_journals()
@@ -82,7 +83,7 @@ class Staging:
         except (OSError, ValueError):
             raise OutputError("--resume: the interrupted run's plan.json is unreadable", file=plan_path,
                               fix="--overwrite to start over") from None
-        if not isinstance(saved, dict) or saved.get("plan_hash") != self.plan_hash:
+        if not isinstance(saved, dict) or saved.get("resume_key") != resume_key(self.plan):
             raise OutputError("--resume: the interrupted run was planned for different inputs or options",
                               file=plan_path, fix=fix)
         if inputs is not None and saved.get("inputs") != inputs:
@@ -197,6 +198,15 @@ class Staging:
         self._journal.flush()
         os.fsync(self._journal.fileno())
         self.published.add(name)
+
+
+def resume_key(plan: Plan) -> str:
+    """What journalled work depends on: the plan without the side files copied at publish (they are
+    read then, so one that changed or went missing since does not invalidate the tensors written)."""
+    body = plan.to_json()
+    body.pop("src", None)
+    body.pop("copies", None)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:
