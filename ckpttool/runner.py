@@ -173,7 +173,7 @@ def plan_report(src: Path, job: Job, recipe: Recipe, dst: Path | None) -> dict:
     workers = recipe.execution.workers or defaults.workers()
     with job.open(src) as inputs:
         plan = job.plan(inputs)
-        check_output_names([f.name for f in plan.files], plan.copies, source=src)
+        check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)
         task_mem = sorted((t.memory() for t in make_tasks(plan, inputs, set(), set())), reverse=True)
     peak = min(budget, sum(task_mem[:workers])) if task_mem else 0
     peak = max(peak, task_mem[0] if task_mem else 0)
@@ -228,7 +228,7 @@ def _convert(src: Path, dst: Path, job: Job, opts: ExecOptions, group: Group) ->
                 check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)
             with clock.phase("plan"):
                 plan = job.plan(inputs)
-            check_output_names([f.name for f in plan.files], plan.copies, source=src)
+            check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)
             if group.rank == 0:
                 check_outside(dst, inputs.paths() + [src / n for n in plan.copies])
                 complete = already_complete(dst, plan.hash, opts.resume)

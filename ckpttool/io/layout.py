@@ -56,9 +56,10 @@ def check_name(name: object, *, source: object, what: str = "file name", subdirs
     return name
 
 
-def check_output_names(files: list[str], copies: list[str], *, source: object) -> None:
+def check_output_names(files: list[str], copies: list[str], *, source: object, inputs: object = ()) -> None:
     """The names a plan will write into DST: plain `*.safetensors` names (so none can be our journal,
-    plan, digest or temp files), unique, and none a name of ours or a file copied from SRC."""
+    plan, digest or temp files), unique, and none a name of ours or a file copied from SRC; and no
+    input shard (`inputs`) copied as if it were a side file."""
     fix = ("rename the input's shards to plain *.safetensors names in the checkpoint's top folder "
            "(and fix model.safetensors.index.json to match)")
     seen: set[str] = set()
@@ -71,7 +72,7 @@ def check_output_names(files: list[str], copies: list[str], *, source: object) -
         seen.add(name)
     for name in copies:
         check_name(name, source=source, what="file copied from the input")
-        if name in seen or name in OWN_NAMES - {CONFIG_NAME} or name.startswith("."):
+        if name in seen or name in inputs or name in OWN_NAMES - {CONFIG_NAME} or name.startswith("."):
             raise InputError(f"input file {printable(name)!r} has the name of an output ckpttool writes",
                              file=source, fix="rename or remove that file from the input directory")
         seen.add(name)
