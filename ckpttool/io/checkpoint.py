@@ -217,6 +217,14 @@ class Checkpoint(ShardFiles):
         return sum(t.info.nbytes for t in self.tensors.values())
 
 
+def read_json_object(path: Path, what: str, fix: str) -> dict:
+    """A small JSON side file (tokenizer_config.json, ...), strictly: regular, bounded, one object."""
+    value = _read_json(path, what, MAX_CONFIG_BYTES, fix)
+    if not isinstance(value, dict):
+        raise InputError(f"{what} is a JSON {type(value).__name__}, not an object", file=path, fix=fix)
+    return value
+
+
 def read_config(path: Path, *, missing_fix: str = "copy the checkpoint's config.json beside its safetensors files") -> dict:
     """A config.json, strictly: present, a regular file of bounded size, one JSON object."""
     if not os.path.lexists(path):
