@@ -201,30 +201,29 @@ def convert(src: Path, dst: Path, job: Job, opts: ExecOptions) -> RunResult:
     src, dst = Path(src), Path(dst)
     rank, world_size = world()
     group = Group(rank, world_size)
-    lock = None
+    locks: list[DestinationLock] = []  # rank 0's lock on DST, held until it has published (or failed)
     try:
-        if rank == 0:  # one run per DST, held until it has published (or failed)
-            lock = DestinationLock(dst)
-        result = _convert(src, dst, job, opts, group)
+        result = _convert(src, dst, job, opts, group, locks)
     except BaseException:
-        if lock is not None:
+        for lock in locks:
             lock.release(failed=True)
         raise
     finally:
         group.close()
-    if lock is not None:
+    for lock in locks:
         lock.release()
     return result
 
 
-def _convert(src: Path, dst: Path, job: Job, opts: ExecOptions, group: Group) -> RunResult:
+def _convert(src: Path, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: list) -> RunResult:
     started = time.monotonic()
     clock = Timings()
     with job.open(src) as inputs, clock.phase("total"):
         staging, setup_error, complete = None, None, False
         plan = None
         try:
-            if group.rank == 0:
+            if group.rank == 0:  # one run per DST; a refusal reaches every rank like any set-up error
+                locks.append(DestinationLock(dst))
                 check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)
             with clock.phase("plan"):
                 plan = job.plan(inputs)
