@@ -64,3 +64,14 @@ def test_files_named_like_ours_in_src_are_not_copied_over_our_outputs(tiny_v3, t
     manifest = json.loads((dst / MANIFEST).read_text())
     assert "../escape" not in manifest["files"] and not (dst / ".ckpttool-partial").exists()
     assert run_cli("inspect", dst, "--check", check=False).returncode == 0
+
+
+@pytest.mark.parametrize("name", ["a\x1b[2Jb.safetensors", "x\u202egpj.safetensors", "bell\x07.safetensors"])
+def test_names_with_terminal_escapes_are_refused_and_printed_escaped(tiny_v3, tmp_path, name):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_v3, src)
+    _rename_shard(src, name)
+    proc = run_cli("dequant", src, tmp_path / "out", "--quiet", check=False)
+    assert proc.returncode == 1 and "fix:" in proc.stderr, proc.stderr
+    assert not any(c in proc.stderr for c in "\x1b\u202e\x07")
+    assert "\\x1b" in proc.stderr or "\\u202e" in proc.stderr or "\\x07" in proc.stderr
