@@ -66,3 +66,16 @@ def test_a_tampered_download_record_cannot_point_a_delete_outside(server, tmp_pa
     again = run_cli(hub_env(server.url, home, HF_HUB_OFFLINE="1"), "download", "org/clean", str(dst))
     assert "Traceback" not in again.stderr
     assert victim.read_text() == "beside DST"
+
+
+def test_a_bad_file_that_is_a_symlink_out_of_dst_loses_only_the_link(server, tmp_path):
+    home = tmp_path / "home"
+    dst = tmp_path / "dst"
+    assert run_cli(hub_env(server.url, home), "download", "org/clean", str(dst)).returncode == 0
+    victim = tmp_path / "victim.json"
+    victim.write_text("outside DST, and not the size the hub lists")
+    (dst / "tokenizer.json").unlink()
+    (dst / "tokenizer.json").symlink_to(victim)  # fails the size check: discarded, offline no re-fetch
+    offline = run_cli(hub_env(server.url, home, HF_HUB_OFFLINE="1"), "download", "org/clean", str(dst))
+    assert offline.returncode == 1 and "Traceback" not in offline.stderr, offline.stderr
+    assert victim.read_text() == "outside DST, and not the size the hub lists"
