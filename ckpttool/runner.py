@@ -223,8 +223,9 @@ def _convert(src: Path, dst: Path, job: Job, opts: ExecOptions, group: Group, lo
         plan = None
         try:
             if group.rank == 0:  # one run per DST; a refusal reaches every rank like any set-up error
+                check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)  # before DST is created
                 locks.append(DestinationLock(dst))
-                check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)
+                check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)  # as the lock found it
             with clock.phase("plan"):
                 plan = job.plan(inputs)
             check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)

@@ -4,6 +4,7 @@ symlinked path or an input file that is a symlink into DST is refused before any
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 
@@ -91,3 +92,10 @@ def test_merge_into_its_own_input_is_refused(src, tmp_path):
     assert "overlaps input" in _refused("merge", shards, tmp_path / "alias", "--quiet", "--overwrite")
     assert "overlaps input" in _refused("merge", tmp_path / "alias", shards / "sub", "--quiet")
     assert _digest(shards) == before
+
+
+def test_a_refused_run_leaves_src_untouched_even_its_directory(src, tmp_path):
+    before = (os.stat(src).st_mtime_ns, sorted(os.listdir(src)), _digest(src))
+    for dst in (src, src / "sub", src / "sub" / "deeper", src.parent):
+        _refused("convert", src, dst, *CONVERT)
+    assert (os.stat(src).st_mtime_ns, sorted(os.listdir(src)), _digest(src)) == before
