@@ -89,8 +89,11 @@ class Staging:
         if inputs is not None and saved.get("inputs") != inputs:
             old = saved.get("inputs") or {}
             changed = sorted(n for n in set(old) | set(inputs) if old.get(n) != inputs.get(n))
-            raise OutputError(f"--resume: input file(s) changed since the interrupted run "
-                              f"({', '.join(printable(n) for n in changed[:3]) or 'unknown'})", file=plan_path, fix=fix)
+            what = [", ".join(k for k, a, b in zip(("size", "mtime", "ctime", "content"), old.get(n) or [None] * 4,
+                                                    inputs.get(n) or [None] * 4) if a != b) for n in changed[:3]]
+            raise OutputError("--resume: input file(s) changed since the interrupted run ("
+                              + "; ".join(f"{printable(n)}: {w}" for n, w in zip(changed, what)) + ")",
+                              file=plan_path, fix=fix)
 
     def _load_journals(self) -> None:
         for path in sorted(self.dir.glob("journal*.jsonl")):
