@@ -45,7 +45,7 @@ def bad(tiny_v3, tmp_path_factory):
     variant("list-hidden", set_config(hidden_size=[7168]))
     variant("huge-experts", set_config(n_routed_experts=100_000_000))
     variant("huge-layers", set_config(num_hidden_layers=100_000_000))
-    variant("float-layers", set_config(num_hidden_layers=1e400 if False else 2.5))
+    variant("float-layers", set_config(num_hidden_layers=2.5))
     variant("config-not-json", lambda d: (d / "config.json").write_bytes(b"{\xff\xfe"))
     variant("config-deep", lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000))
     variant("index-not-json", lambda d: (d / "model.safetensors.index.json").write_text("{"))
@@ -121,7 +121,7 @@ def test_the_real_executable_prints_no_traceback_and_json_errors_parse(bad, tiny
     proc = run_cli_process("convert", bad / "huge-experts", bad / "o", "--json")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "fix:" in proc.stderr
     report = json.loads(proc.stdout)
-    assert report["ok"] is False and "n_routed_experts" not in report["error"] or report["fix"]
+    assert report["ok"] is False and "experts" in report["error"] and report["fix"] and report["exit_code"] == 1
     proc = run_cli_process("run", bad / "deep.yaml", "-i", tiny_v3, "-o", bad / "o")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     debug = run_cli_process("demo", bad / "file", env={"CKPTTOOL_DEBUG": "1"})
@@ -157,3 +157,20 @@ def test_ctrl_c_says_the_work_is_journalled_and_how_to_resume(tiny_v3, tmp_path)
     assert (dst / PARTIAL_DIR).is_dir()
     run_cli("convert", tiny_v3, dst, "--mp", "2", "--quiet", "--resume")
     assert (dst / MANIFEST).exists() and not (dst / PARTIAL_DIR).exists()
+
+
+def test_a_read_only_destination_is_an_error_with_a_fix(tiny_v3, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {proc.stderr.decode(errors='replace').strip()}")
+    try:
+        for dst in (ro / "out", ro / "a" / "b"):
+            proc = run_cli_process("convert", tiny_v3, dst, "--mp", "2", "--quiet")
+            assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+            assert "Read-only file system" in proc.stderr and "fix:" in proc.stderr
+        proc = run_cli_process("merge", tiny_v3, ro / "m", "--quiet")
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr and "fix:" in proc.stderr
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
