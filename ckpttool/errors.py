@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+import unicodedata
+
+_BAD_NAME_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+def printable(name: str) -> str:
+    """A name safe to print: controls, format characters and lone surrogates backslash-escaped (a file
+    name from disk or a hub listing can hold terminal escapes)."""
+    return "".join(c if unicodedata.category(c) not in _BAD_NAME_CATEGORIES else _escape(c) for c in name)
+
+
+def _escape(c: str) -> str:
+    code = ord(c)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
 
 class CkptError(Exception):
     """A failure the user can act on; the CLI prints it without a traceback and exits non-zero."""
@@ -9,7 +24,7 @@ class CkptError(Exception):
     exit_code = 1
 
     def __init__(self, message: str, *, file: object = None, tensor: str | None = None, fix: str | None = None):
-        self.file = None if file is None else str(file)
+        self.file = None if file is None else printable(str(file))
         self.tensor = tensor
         self.fix = fix
         self.message = message
@@ -20,7 +35,7 @@ class CkptError(Exception):
         if self.file:
             where.append(f"file {self.file}")
         if self.tensor:
-            where.append(f"tensor {self.tensor!r}")
+            where.append(f"tensor {printable(self.tensor)!r}")
         text = f"{self.message}" + (f" ({', '.join(where)})" if where else "")
         if self.fix:
             text += f"\n  fix: {self.fix}"

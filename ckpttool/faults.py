@@ -1,5 +1,6 @@
 """Failpoints for crash-safety tests: CKPTTOOL_FAULT=point:n[:action] makes the n-th hit of a named
-point kill the process (action `kill`, the default: SIGKILL, no cleanup) or raise ENOSPC (`enospc`).
+point kill the process (action `kill`, the default: SIGKILL, no cleanup) or raise ENOSPC (`enospc`), or
+stop it (`stop`: SIGSTOP, to hold a run mid-write).
 Unset, each point costs one dict lookup."""
 
 from __future__ import annotations
@@ -26,5 +27,7 @@ def point(name: str) -> None:
         hit = _counts[name] == _target[1]
     if hit and _target[2] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if hit and _target[2] == "stop":  # SIGSTOP: a run paused mid-write, holding what it holds
+        os.kill(os.getpid(), signal.SIGSTOP)
     if hit and _target[2] == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

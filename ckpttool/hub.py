@@ -35,7 +35,8 @@ from huggingface_hub.utils import HFValidationError, filter_repo_objects, valida
 from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
 
 from ckpttool.errors import CkptError, InputError, OutputError
-from ckpttool.io.safetensors import read_header
+from ckpttool.io.layout import name_problem
+from ckpttool.io.safetensors import printable, read_header
 
 HUB_FAILURES = (OSError, httpx2.HTTPError, RevisionResolutionError)  # OSError covers HfHubHTTPError too
 MARKER = Path(".cache", "ckpttool", "download.json")  # in DST: what was fetched, so offline re-runs can verify
@@ -181,20 +182,41 @@ def download_checkpoint(repo_id: str, dst: str | os.PathLike | None = None, *, r
 
 def _list_remote(api: HfApi, repo_id: str, commit: str) -> dict[str, RemoteFile]:
     info = api.model_info(repo_id, revision=commit, files_metadata=True)
-    return {s.rfilename: RemoteFile(s.size, s.lfs.sha256 if s.lfs else None, s.blob_id) for s in info.siblings or []}
+    return _validated({s.rfilename: RemoteFile(s.size, s.lfs.sha256 if s.lfs else None, s.blob_id)
+                       for s in info.siblings or []}, f"the hub's listing of {repo_id}")
+
+
+def _validated(listing: dict[str, RemoteFile], source: str) -> dict[str, RemoteFile]:
+    """Every name from a listing or our marker, before anything is opened or deleted by it: a relative
+    path of plain parts (no `..`, `.`, empty part, absolute path, backslash or control character),
+    outside the `.cache` folder where the hub client and ckpttool keep their records."""
+    for name in listing:
+        problem = name_problem(name, subdirs=True)
+        if problem is None and name.split("/")[0] == ".cache":
+            problem = "is inside .cache, where download records live"
+        if problem is not None:
+            shown = printable(name) if isinstance(name, str) else repr(name)[:80]
+            raise InputError(f"{source} names file {shown!r}, which {problem}", fix="refusing to download a repo "
+                             "whose file names point outside the destination; report it to the repo's owner")
+    return listing
 
 
 def _offline_expectations(repo_id: str, commit: str, local_dir: Path | None, root: Path, allow: list[str] | None,
                           ignore: list[str] | None) -> dict[str, RemoteFile]:
     """Offline, the hub cannot be asked: use our own record in DST, else the hub's cached tree, else the files."""
     if local_dir is not None and (record := _read_marker(local_dir)) and record.get("commit") == commit:
-        listing = {n: RemoteFile(**f) for n, f in record["files"].items()}
+        try:
+            listing = {n: RemoteFile(**f) for n, f in record["files"].items()}
+        except (AttributeError, KeyError, TypeError):
+            raise InputError("ckpttool's download record is damaged", file=local_dir / MARKER,
+                             fix="delete it and re-run with network access") from None
+        listing = _validated(listing, f"the download record {local_dir / MARKER}")
     else:
         try:
             # Sizes only: this view of the cached tree drops the LFS sha256, and for an LFS file blob_id
             # hashes its pointer, not its content.
-            listing = {f.path: RemoteFile(f.size) for f in get_cached_repo_tree(repo_id, revision=commit,
-                                                                                  local_dir=local_dir)}
+            listing = _validated({f.path: RemoteFile(f.size) for f in get_cached_repo_tree(
+                repo_id, revision=commit, local_dir=local_dir)}, "the hub client's cached listing")
         except CachedRepoTreeNotFoundError:
             listing = {p.relative_to(root).as_posix(): RemoteFile() for p in sorted(root.rglob("*"))
                        if p.is_file() and ".cache" not in p.relative_to(root).parts}
@@ -274,11 +296,14 @@ def _file_digest(path: Path, h) -> str:
 
 
 def _discard(path: Path) -> None:
-    """Remove a bad file; in the HF cache the snapshot entry is a symlink, so remove its blob too."""
+    """Remove a bad file (its name validated: inside the download root); in the HF cache the snapshot
+    entry is a symlink, so remove its blob too, but only a blob in that repo's cache folder."""
     if path.is_symlink():
         blob = path.resolve()
         path.unlink()
-        blob.unlink(missing_ok=True)
+        blobs = Path(hf_constants.HF_HUB_CACHE).resolve()
+        if blobs in blob.parents and blob.parent.name == "blobs":
+            blob.unlink(missing_ok=True)
     else:
         path.unlink(missing_ok=True)
 
@@ -301,9 +326,10 @@ def _check_destination(dst: Path, repo_id: str) -> Path:
 
 def _read_marker(dst: Path) -> dict | None:
     try:
-        return json.loads((dst / MARKER).read_text())
-    except (OSError, ValueError):
+        record = json.loads((dst / MARKER).read_bytes())
+    except (OSError, ValueError, RecursionError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 def _write_marker(dst: Path, repo_id: str, revision: str | None, commit: str, files: dict[str, RemoteFile]) -> None:

@@ -237,10 +237,16 @@ def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise RecipeError(f"cannot read recipe: {exc.strerror}", file=path) from None
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"recipe is not UTF-8 text (byte {exc.start})", file=path,
+                          fix="save the recipe as UTF-8 YAML") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise RecipeError(f"recipe is not valid YAML: {exc}", file=path) from None
+    except RecursionError:
+        raise RecipeError("recipe is nested too deeply to be a recipe", file=path,
+                          fix="a recipe is a mapping of name, stages and execution; see recipes/") from None
     if not isinstance(data, dict):
         raise RecipeError("a recipe is a YAML mapping with name and stages", file=path)
     for item in overrides:
@@ -302,7 +308,11 @@ def apply_override(data: dict, item: str, source: object = "--set") -> None:
     if "=" not in item:
         raise RecipeError(f"--set {item!r} is not key=value", fix="e.g. --set shard.mp=4")
     key, raw = item.split("=", 1)
-    value = yaml.safe_load(raw)
+    try:
+        value = yaml.safe_load(raw)
+    except (yaml.YAMLError, RecursionError):
+        raise RecipeError(f"--set {key}: the value is not valid YAML", file=source,
+                          fix="quote it, e.g. --set 'shard.mp=4' or --set \"name='my run'\"") from None
     parts = key.strip().split(".")
     stages = data.get("stages") if isinstance(data.get("stages"), list) else []
     stage = next((s for s in stages if isinstance(s, dict) and parts[0] in s), None)
@@ -315,6 +325,7 @@ def apply_override(data: dict, item: str, source: object = "--set") -> None:
         if nxt is None:
             nxt = target[p] = {}
         if not isinstance(nxt, dict):
-            raise RecipeError(f"--set {key}: {p!r} is not a mapping", file=source)
+            raise RecipeError(f"--set {key}: {p!r} is not a mapping", file=source,
+                              fix="--set sets a key inside a mapping: e.g. --set shard.mp=4")
         target = nxt
     target[parts[-1]] = value

@@ -10,6 +10,7 @@ publishes) and the verify stage. The CLI only turns flags into a Request and pri
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -23,12 +24,19 @@ from ckpttool.execute.staging import Staging
 from ckpttool.execute.tasks import make_tasks
 from ckpttool.dtypes import itemsize
 from ckpttool.io.checkpoint import Checkpoint
-from ckpttool.io.layout import PARTIAL_DIR
+from ckpttool.io.layout import PARTIAL_DIR, check_output_names
 from ckpttool.plan.build import Spec
 from ckpttool.plan.merge import MergeSpec
 from ckpttool.plan.types import Plan
 from ckpttool.progress import Progress
-from ckpttool.publish.destination import SPACE_MARGIN, already_complete, check_destination, check_free_space
+from ckpttool.publish.destination import (
+    SPACE_MARGIN,
+    DestinationLock,
+    already_complete,
+    check_destination,
+    check_free_space,
+    check_outside,
+)
 from ckpttool.publish.publish import publish
 from ckpttool.recipe import INPUT, Execution, Recipe
 from ckpttool.timing import Timings
@@ -205,6 +213,7 @@ def plan_report(src: Path, job: Job, recipe: Recipe, dst: Path | None) -> dict:
     workers = recipe.execution.workers or defaults.workers()
     with job.open(src) as inputs:
         plan = job.plan(inputs)
+        check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)
         task_mem = sorted((t.memory() for t in make_tasks(plan, inputs, set(), set())), reverse=True)
     peak = min(budget, sum(task_mem[:workers])) if task_mem else 0
     peak = max(peak, task_mem[0] if task_mem else 0)
@@ -232,36 +241,49 @@ def convert(src: Path, dst: Path, job: Job, opts: ExecOptions) -> RunResult:
     src, dst = Path(src), Path(dst)
     rank, world_size = world()
     group = Group(rank, world_size)
+    locks: list[DestinationLock] = []  # rank 0's lock on DST, held until it has published (or failed)
     try:
-        return _convert(src, dst, job, opts, group)
+        result = _convert(src, dst, job, opts, group, locks)
+    except BaseException:
+        for lock in locks:
+            lock.release(failed=True)
+        raise
     finally:
         group.close()
+    for lock in locks:
+        lock.release()
+    return result
 
 
-def _convert(src: Path, dst: Path, job: Job, opts: ExecOptions, group: Group) -> RunResult:
+def _convert(src: Path, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: list) -> RunResult:
     started = time.monotonic()
     clock = Timings()
     with job.open(src) as inputs, clock.phase("total"):
         staging, setup_error, complete = None, None, False
         plan = None
         try:
-            if group.rank == 0:
-                check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)
+            if group.rank == 0:  # one run per DST; a refusal reaches every rank like any set-up error
+                check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)  # before DST is created
+                locks.append(DestinationLock(dst))
+                check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)  # as the lock found it
             with clock.phase("plan"):
                 plan = job.plan(inputs)
+            check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)
             if group.rank == 0:
+                check_outside(dst, inputs.paths() + [src / n for n in plan.copies])
                 complete = already_complete(dst, plan.hash, opts.resume)
-                if not complete and not opts.resume:  # before anything is created; a resume checks what is left
-                    check_free_space(dst, sum(f.size for f in plan.files) + SPACE_MARGIN)
+                copies = sum(os.stat(src / n).st_size for n in plan.copies if (src / n).exists())
+                if not complete and not (opts.resume and (dst / PARTIAL_DIR).exists()):  # before writing
+                    check_free_space(dst, sum(f.size for f in plan.files) + copies + SPACE_MARGIN)
                 if not complete:
-                    dst.mkdir(parents=True, exist_ok=True)
-                    staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite, timings=clock)
+                    staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite, timings=clock,
+                                      inputs=inputs.fingerprint())
         except CkptError as exc:
             setup_error = exc
         if group.share_outcome(setup_error, complete):
             return RunResult(plan, dst, time.monotonic() - started, 0, already_complete=True)
         if staging is None:  # a rank > 0 joins what rank 0 set up
-            staging = Staging(dst, plan, resume=True, rank=group.rank, timings=clock)
+            staging = Staging(dst, plan, resume=True, rank=group.rank, timings=clock, inputs=inputs.fingerprint())
         mine = assign_files(plan, group.world_size)[group.rank] if group.world_size > 1 else None
         ok = False
         try:
@@ -271,7 +293,7 @@ def _convert(src: Path, dst: Path, job: Job, opts: ExecOptions, group: Group) ->
                        and (mine is None or f.name in mine)
                        for p in f.tensors if (f.name, p.tensor.name) not in staging.done)
             if group.rank == 0 and opts.resume:
-                check_free_space(dst, todo + SPACE_MARGIN)
+                check_free_space(dst, todo + copies + SPACE_MARGIN)
             label = job.label if group.world_size == 1 else f"rank {group.rank}/{group.world_size}"
             with Progress(todo, label, quiet=opts.quiet) as progress, clock.phase("execute"):
                 execute(plan, inputs, staging, max_memory=opts.max_memory, workers=opts.workers,

@@ -3,14 +3,20 @@ explicitly) and maps CkptError to a message and an exit code."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import sys
+import threading
 
 import click
 import typer
 
 from ckpttool.cli.app import app
-from ckpttool.errors import CkptError
+from ckpttool.errors import CkptError, printable
+
+INTERRUPTED = ("interrupted (Ctrl-C): a conversion's finished work stays journalled in DST/.ckpttool-partial\n"
+               "  fix: rerun the same command with --resume to continue it (or delete that directory to discard it)")
 
 # typer >= 0.23 vendors its own click: usage errors and aborts come from either package
 USAGE_ERRORS = tuple({click.ClickException,
@@ -18,22 +24,78 @@ USAGE_ERRORS = tuple({click.ClickException,
 ABORTS = tuple({click.Abort, typer.Abort})
 
 
+class Interrupted(BaseException):
+    """Ctrl-C, raised in place of KeyboardInterrupt (which typer turns into a silent exit code 130)."""
+
+
+def _on_sigint(signum, frame) -> None:
+    raise Interrupted()
+
+
+def as_ckpt_error(exc: BaseException) -> CkptError:
+    """Any failure as an error with a fix: the one guard every command goes through, so no input the
+    code does not check yet can end in a traceback (CKPTTOOL_DEBUG=1 shows it)."""
+    if isinstance(exc, CkptError):
+        return exc
+    if isinstance(exc, OSError):
+        return CkptError(f"{exc.strerror or type(exc).__name__}", file=exc.filename,
+                         fix="check that the path exists, is the kind of file this command expects, and that you "
+                             "may read (or, for an output, write) it; a read-only output needs another directory")
+    if isinstance(exc, RecursionError):
+        return CkptError("an input is nested too deeply to read", fix="check the recipe, config or JSON file "
+                         "just given: nothing this deep is a valid checkpoint or recipe")
+    if isinstance(exc, MemoryError):
+        return CkptError("out of memory", fix="lower --max-memory and --workers, or check the input's config for "
+                         "absurd sizes")
+    return CkptError(f"unexpected {type(exc).__name__}: {str(exc)[:500]}",
+                     fix="an input ckpttool does not check yet, or a bug: rerun with CKPTTOOL_DEBUG=1 and report "
+                         "the traceback")
+
+
+def _report(error: CkptError, argv: list[str]) -> None:
+    text = "\n".join(printable(line) for line in str(error).split("\n"))  # names from disk stay inert
+    print(f"error: {text}", file=sys.stderr)
+    if "--json" in argv:
+        print(json.dumps({"ok": False, "error": printable(error.message), "file": error.file,
+                          "tensor": error.tensor, "fix": error.fix, "kind": type(error).__name__,
+                          "exit_code": error.exit_code}))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point. CkptError becomes a one-paragraph message and a non-zero exit code, with no
-    traceback unless CKPTTOOL_DEBUG=1. Returns the exit code when called with argv (tests)."""
+    """Entry point. Every failure becomes `error:` / `fix:` lines and exit code 1 (2 for usage and
+    recipe errors, 130 for Ctrl-C), with no traceback unless CKPTTOOL_DEBUG=1 (then it re-raises).
+    Returns the exit code when called with argv (tests); with --json the error is also JSON on stdout."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("CKPTTOOL_DEBUG") == "1"
+    own_sigint = (threading.current_thread() is threading.main_thread()
+                  and signal.getsignal(signal.SIGINT) is signal.default_int_handler)  # never where it is ignored
+    if own_sigint:
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         code = app(args=argv, prog_name="ckpttool", standalone_mode=False)
     except USAGE_ERRORS as exc:
-        exc.show()
+        ctx = getattr(exc, "ctx", None)
+        where = ctx.command_path if ctx is not None else "ckpttool"
+        print(f"error: {printable(exc.format_message())}\n  fix: see `{where} --help`", file=sys.stderr)
         code = exc.exit_code
-    except ABORTS:
-        print("aborted", file=sys.stderr)
-        code = 130
-    except CkptError as exc:
-        if os.environ.get("CKPTTOOL_DEBUG") == "1":
+    except (*ABORTS, KeyboardInterrupt, Interrupted):
+        if debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        code = exc.exit_code
+        print(INTERRUPTED, file=sys.stderr)
+        code = 130
+    except Exception as exc:  # noqa: BLE001 - the one place every failure is turned into a message
+        if debug:
+            raise
+        error = as_ckpt_error(exc)
+        if not error.fix:  # every error says what to do next
+            command = next((a for a in args if not a.startswith("-")), "")
+            error = type(error)(error.message, file=error.file, tensor=error.tensor,
+                                fix=f"see `ckpttool {command} --help`".replace("  ", " "))
+        _report(error, args)
+        code = error.exit_code
+    finally:
+        if own_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     code = code if isinstance(code, int) else 0
     if argv is None:
         sys.exit(code)

@@ -11,14 +11,40 @@ from datetime import timedelta
 from ckpttool.errors import CkptError
 from ckpttool.plan.types import Plan
 
-
-def world() -> tuple[int, int]:
-    """(rank, world size) from the torchrun environment; (0, 1) outside it."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""what torchrun sets in every process it launches: all of them, or this is not a torchrun launch"""
+JOIN_TIMEOUT_S = float(os.environ.get("CKPTTOOL_JOIN_TIMEOUT_S", 300))
+"""how long a rank waits for the others to join (they start within seconds under torchrun)"""
+RUN_TIMEOUT = timedelta(hours=12)
+"""barriers after joining: a fast rank waits for the slowest rank's share of the files"""
 
 
 def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """Only a full torchrun environment counts: a RANK or WORLD_SIZE left over in a shell does not."""
+    return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) under torchrun; (0, 1) otherwise, whatever stray variables say."""
+    if not launched_by_torchrun():
+        return 0, 1
+    try:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        rank, size = -1, -1
+    if not 0 <= rank < size:
+        raise CkptError(f"torchrun environment has RANK={os.environ['RANK']!r}, WORLD_SIZE={os.environ['WORLD_SIZE']!r}",
+                        fix="launch with torchrun, or unset " + ", ".join(TORCHRUN_VARS) + " for a single process")
+    return rank, size
+
+
+def _join_error(exc: Exception) -> CkptError:
+    seen = ", ".join(f"{v}={os.environ.get(v)}" for v in TORCHRUN_VARS)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return CkptError(f"rank {os.environ.get('RANK')} could not join the other torchrun ranks within "
+                     f"{JOIN_TIMEOUT_S:.0f} s ({first})",
+                     fix=f"check that every rank was started and can reach MASTER_ADDR:MASTER_PORT ({seen}); for a "
+                         f"single-process run, unset those variables")
 
 
 def assign_files(plan: Plan, world_size: int) -> list[set[str]]:
@@ -45,8 +71,13 @@ class Group:
 
         self.dist = dist
         if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(hours=12))
+            try:
+                dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                        timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+            except Exception as exc:  # torch raises DistStoreError, RuntimeError or ValueError here
+                raise _join_error(exc) from None
             self._owned = True
+            dist.distributed_c10d._set_pg_timeout(RUN_TIMEOUT)
 
     def share_outcome(self, error: CkptError | None, value: object = None) -> object:
         """Rank 0's set-up result reaches every rank: all raise the same error, or all get rank 0's

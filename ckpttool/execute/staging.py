@@ -6,21 +6,24 @@ finished one into the output.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
+import stat
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckpttool import faults
 from ckpttool.errors import OutputError
 from ckpttool.io.hashing import PrefixHasher
-from ckpttool.io.layout import PARTIAL_DIR
+from ckpttool.io.safetensors import printable
+from ckpttool.io.layout import JOURNAL, PARTIAL_DIR, PLAN_FILE
 from ckpttool.plan.types import Plan
 from ckpttool.timing import Timings
 
-JOURNAL = "journal.jsonl"
-PLAN_FILE = "plan.json"
+NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def disk_error(exc: OSError, path: object) -> OutputError:
@@ -38,7 +41,7 @@ class Staging:
     """
 
     def __init__(self, dst: Path, plan: Plan, *, resume: bool, overwrite: bool = False, rank: int = 0,
-                 timings: Timings | None = None):
+                 timings: Timings | None = None, inputs: dict | None = None):
         self.dst = Path(dst)
         self.timings = timings or Timings()
         self.dir = self.dst / PARTIAL_DIR
@@ -48,23 +51,49 @@ class Staging:
         self.published: set[str] = set()
         plan_path = self.dir / PLAN_FILE
         journal = self.dir / (JOURNAL if rank == 0 else f"journal.{rank}.jsonl")
+        if os.path.islink(self.dir):
+            raise OutputError("the staging directory is a symlink; ckpttool never creates one", file=self.dir,
+                              fix="remove it (it is not ckpttool's), then run again")
         if rank == 0 and not (resume and plan_path.exists()):
+            # --overwrite, or a --resume of a run killed before its plan was saved: start afresh
             if self.dir.exists():
-                shutil.rmtree(self.dir)  # only reachable with --overwrite (publish.destination)
+                shutil.rmtree(self.dir)
             self.dir.mkdir(parents=True)
-            atomic_write(plan_path, json.dumps({"plan_hash": self.plan_hash, "plan": plan.to_json()}).encode())
+            atomic_write(plan_path, json.dumps({"plan_hash": self.plan_hash, "resume_key": resume_key(plan),
+                                                "inputs": inputs, "plan": plan.to_json()}).encode())
         else:
-            previous = json.loads(plan_path.read_text()).get("plan_hash")
-            if previous != self.plan_hash:
-                raise OutputError("--resume: the interrupted run was planned for different inputs or options",
-                                  file=plan_path, fix="rerun with the original arguments, or --overwrite to start over")
+            self._check_resumable(plan_path, inputs)
             self._load_journals()
-        self._journal = open(journal, "ab")
+        try:
+            self._journal = os.fdopen(os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o644), "ab")
+        except OSError as exc:
+            raise disk_error(exc, journal) from None
         self.fds: dict[str, int] = {}
         # each output file is hashed while it is written (its contiguous written prefix)
         self._hash_pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1, max(1, len(plan.files))),
                                              thread_name_prefix="ckpttool-sha256")
         self._hashers: dict[str, PrefixHasher] = {}
+
+    def _check_resumable(self, plan_path: Path, inputs: dict | None) -> None:
+        """The interrupted run planned the same thing from the same input bytes (by each input file's
+        size, mtime, ctime and sampled content), else --resume would mix old and new tensors."""
+        fix = "rerun with the original arguments and inputs, or --overwrite to start over"
+        try:
+            saved = json.loads(plan_path.read_bytes())
+        except (OSError, ValueError):
+            raise OutputError("--resume: the interrupted run's plan.json is unreadable", file=plan_path,
+                              fix="--overwrite to start over") from None
+        if not isinstance(saved, dict) or saved.get("resume_key") != resume_key(self.plan):
+            raise OutputError("--resume: the interrupted run was planned for different inputs or options",
+                              file=plan_path, fix=fix)
+        if inputs is not None and saved.get("inputs") != inputs:
+            old = saved.get("inputs") or {}
+            changed = sorted(n for n in set(old) | set(inputs) if old.get(n) != inputs.get(n))
+            what = [", ".join(k for k, a, b in zip(("size", "mtime", "ctime", "content"), old.get(n) or [None] * 4,
+                                                    inputs.get(n) or [None] * 4) if a != b) for n in changed[:3]]
+            raise OutputError("--resume: input file(s) changed since the interrupted run ("
+                              + "; ".join(f"{printable(n)}: {w}" for n, w in zip(changed, what)) + ")",
+                              file=plan_path, fix=fix)
 
     def _load_journals(self) -> None:
         for path in sorted(self.dir.glob("journal*.jsonl")):
@@ -85,10 +114,21 @@ class Staging:
             if f.name in self.published or (files is not None and f.name not in files):
                 continue
             path = self.dir / f.name
-            fresh = not path.exists() or path.stat().st_size != f.size
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise OutputError("a staged output file is a symlink; ckpttool never creates one", file=path,
+                                      fix="delete the staging directory (or --overwrite) and run again") from None
+                raise disk_error(exc, path) from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link would write into its other name
+                os.close(fd)
+                raise OutputError("a staged output file is not a regular file with one link; ckpttool never creates "
+                                  "that", file=path, fix="delete the staging directory (or --overwrite) and run again")
+            fresh = st.st_size != f.size
             if fresh:
                 self.done = {(fn, t) for fn, t in self.done if fn != f.name}
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 if fresh:
                     os.ftruncate(fd, 0)
@@ -163,6 +203,15 @@ class Staging:
         self.published.add(name)
 
 
+def resume_key(plan: Plan) -> str:
+    """What journalled work depends on: the plan without the side files copied at publish (they are
+    read then, so one that changed or went missing since does not invalidate the tensors written)."""
+    body = plan.to_json()
+    body.pop("src", None)
+    body.pop("copies", None)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def pwrite_all(fd: int, data, offset: int) -> None:
     view = memoryview(data).cast("B")
     while len(view):
@@ -171,13 +220,34 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         offset += n
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.ckpttool-tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def atomic_write(path: Path, data: bytes | None = None, *, copy_from: Path | None = None) -> None:
+    """Write `data` (or stream the file `copy_from`) to `path` through a fresh temp file beside it,
+    created exclusively under a random name (so a planted symlink is never followed), fsynced, then
+    renamed over `path` (a rename replaces a symlink there, never its target)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".ckpttool-tmp", dir=path.parent)
+    except OSError as exc:
+        raise disk_error(exc, path) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if copy_from is None:
+                f.write(data)
+            else:
+                with open(copy_from, "rb") as src:
+                    shutil.copyfileobj(src, f, 8 << 20)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if copy_from is not None and isinstance(exc, FileNotFoundError) and exc.filename == str(copy_from):
+            raise OutputError("a file to copy from the input is gone", file=copy_from,
+                              fix="restore it in the input directory, then rerun with --resume") from None
+        raise disk_error(exc, path) from None
 
 
 def fsync_path(path: Path) -> None:

@@ -93,6 +93,19 @@ class Family:
     """model_type -> the transformers model_type implementing it, where transformers names it otherwise
     (Kimi-K2 ships remote code for the DeepSeek-V3 architecture): verify's oracle"""
 
+    def expected_for(self, cfg: Any, with_mtp: bool, *, n_tensors: int, source: object) -> dict[str, tuple[int, ...]]:
+        """expected_shapes, after a check that costs nothing: each layer (and, where the table names
+        tensors per expert, each expert) holds at least one tensor, so a config counting more of them
+        than the headers hold tensors is wrong, and expanding it (1e8 experts) would run for minutes."""
+        counts = {"num_hidden_layers": getattr(cfg, "num_hidden_layers", 0)}
+        if any("expert" in row.fields for row in self.key_map.rows):
+            counts["experts"] = self.num_experts(cfg)
+        for field_name, count in counts.items():
+            if not isinstance(count, int) or count < 0 or count > n_tensors:
+                raise InputError(f"config.json's {field_name} = {count} cannot describe a checkpoint of {n_tensors} "
+                                 "tensors", file=source, fix="use the config.json published with the checkpoint")
+        return self.expected_shapes(cfg, with_mtp)
+
     def quantizable(self, hf_name: str) -> bool:
         return self.quantize and self.key_map.is_linear(hf_name)
 

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from ckpttool.dtypes import CARRIERS, ITEMSIZES, itemsize, torch_dtype
-from ckpttool.errors import InputError
+from ckpttool.errors import _BAD_NAME_CATEGORIES, InputError, _escape, printable  # noqa: F401 (printable: re-exported)
 
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's own cap (decimal, not 100 MiB)
 MAX_ELEMENTS = 1 << 48  # far above any real tensor; bounds every dimension and the shape's product
@@ -29,7 +29,6 @@ MAX_NDIM = 64  # real tensors have <= 8 dims; a longer shape list is a corrupt h
 # Unicode categories rejected in tensor names: controls (C0, DEL, C1), format characters (bidi
 # overrides, zero-width, BOM), lone surrogates (unencodable; would break every writer) and the
 # line/paragraph separators. Names are ASCII in every published checkpoint.
-_BAD_NAME_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
@@ -140,16 +139,6 @@ def loads_strict_json(text: str | bytes, *, file: object, what: str, fix: str,
         raise InputError(f"{what} repeats key {_short(key)}{where}; JSON readers disagree on which one wins",
                          file=file, tensor=None if tensor is None else printable(tensor), fix=fix)
     return doc
-
-
-def printable(name: str) -> str:
-    """A name safe to print: controls, format characters and lone surrogates backslash-escaped."""
-    return "".join(c if unicodedata.category(c) not in _BAD_NAME_CATEGORIES else _escape(c) for c in name)
-
-
-def _escape(c: str) -> str:
-    code = ord(c)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def _is_printable_name(name: str) -> bool:

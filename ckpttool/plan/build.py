@@ -126,7 +126,7 @@ def _torch_installed() -> bool:
 def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoint) -> None:
     """The tensors must be exactly what config.json describes: a contradiction means the wrong
     config, a partial download or a different model, and would otherwise surface much later."""
-    expected = family.expected_shapes(cfg, True)
+    expected = family.expected_for(cfg, True, n_tensors=len(tensors), source=ckpt.root / "config.json")
     scales = dequant_stage.scale_names(tensors)
     actual = {t.name: t for t in tensors if t.name not in scales or t.name in expected}
     config_path = ckpt.root / "config.json"

@@ -62,7 +62,7 @@ def plan_merge(shards: ShardFiles, *, max_shard_bytes: int) -> Plan:
     cfg = family.parse_config(config, config_path)
     headers = list(shards.files.values())
     mp = len(headers)
-    expected = family.expected_shapes(cfg, True)
+    expected = family.expected_for(cfg, True, n_tensors=sum(len(h.tensors) for h in headers), source=config_path)
 
     pieces: dict[str, list[tuple[int, str]]] = {}  # HF name -> [(rank, native name)]
     mapped_of: dict[str, object] = {}

@@ -1,41 +1,116 @@
 """Before anything is written: where a run may write (never into SRC, never over what the user has),
-how much free space it needs, and whether an earlier run already produced this output."""
+the lock that keeps one run per DST, how much free space it needs, and whether an earlier run
+already produced this output."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import shutil
 from pathlib import Path
 
 from ckpttool.errors import OutputError
 from ckpttool.io.layout import MANIFEST, PARTIAL_DIR, read_manifest
+from ckpttool.io.safetensors import printable
 
 SPACE_MARGIN = 64 << 20
 """journal, plan.json, index, config and manifest, with room to spare"""
 
 
-def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool) -> None:
-    """Refuse anything that could lose what the user has: writing into SRC, or into a non-empty
-    DST without --overwrite / --resume."""
-    src_r, dst_r = src.resolve(), dst.resolve()
-    if dst_r == src_r or src_r in dst_r.parents or dst_r in src_r.parents:
-        raise OutputError(f"output {dst} overlaps input {src}", fix="choose an output directory outside the input")
-    if dst_r.exists() and not dst_r.is_dir():
-        raise OutputError("output path exists and is not a directory", file=dst)
-    if not dst_r.is_dir():
+def _ids(path: Path) -> list[tuple[int, int]]:
+    """(device, inode) of `path` (resolved) and of every directory above it: what `path` is inside,
+    whatever names, symlinks or bind mounts lead there."""
+    out = []
+    for p in [path.resolve(), *path.resolve().parents]:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        out.append((st.st_dev, st.st_ino))
+    return out
+
+
+def check_outside(dst: Path, inputs: list[Path]) -> None:
+    """Refuse when any input file (followed through symlinks) lives inside DST, or DST inside a
+    directory an input lives in and would be replaced: compared by device and inode, so a bind mount
+    or a symlink into DST is caught as well as a plain path."""
+    if not dst.exists():
         return
-    existing = [p.name for p in dst_r.iterdir() if p.name != PARTIAL_DIR]
-    partial = (dst_r / PARTIAL_DIR).exists()
-    if resume:
-        if not partial and not (dst_r / MANIFEST).exists():
-            raise OutputError("--resume found no interrupted run here", file=dst,
-                              fix="run without --resume to start a new conversion")
+    st = os.stat(dst)
+    dst_id = (st.st_dev, st.st_ino)
+    for path in inputs:
+        if dst_id in _ids(path):
+            raise OutputError(f"input file {printable(str(path))!r} lives inside the output directory (by symlink, "
+                              "bind mount or path); writing there would destroy the input", file=dst,
+                              fix="choose an output directory that holds none of the input's files")
+
+
+def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool) -> None:
+    """Refuse anything that could lose what the user has: writing into SRC (by path, symlink or bind
+    mount: device and inode), or into a non-empty DST without --overwrite / --resume. --resume where
+    nothing was started (no staging dir, no manifest) simply starts."""
+    if src.exists():
+        src_id = _ids(src)[0]
+        probe = dst
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if src_id in _ids(probe) or (dst.exists() and _ids(dst)[0] in _ids(src)):
+            raise OutputError(f"output {dst} overlaps input {src}", fix="choose an output directory outside the input")
+    if dst.exists() and not dst.is_dir():
+        raise OutputError("output path exists and is not a directory", file=dst)
+    if not dst.is_dir():
+        return
+    partial_path = dst / PARTIAL_DIR
+    if os.path.islink(partial_path) or (partial_path.exists() and not partial_path.is_dir()):
+        raise OutputError("the staging path is a symlink or not a directory; ckpttool never creates that",
+                          file=partial_path, fix="remove it (it is not ckpttool's), then run again")
+    existing = [p.name for p in dst.iterdir() if p.name != PARTIAL_DIR]
+    partial = partial_path.exists()
+    if resume and (partial or os.path.lexists(dst / MANIFEST)):
         return
     if partial and not overwrite:
-        raise OutputError("output holds an interrupted run", file=dst / PARTIAL_DIR,
+        raise OutputError("output holds an interrupted run", file=partial_path,
                           fix="add --resume to continue it, or --overwrite to start over")
     if existing and not overwrite:
-        raise OutputError(f"output directory is not empty ({len(existing)} entries, e.g. {sorted(existing)[0]!r})",
+        raise OutputError(f"output directory is not empty ({len(existing)} entries, e.g. "
+                          f"{printable(sorted(existing)[0])!r})",
                           file=dst, fix="choose an empty directory, or add --overwrite to replace ckpttool output there")
+
+
+class DestinationLock:
+    """An exclusive flock on the DST directory itself for the run's lifetime: a second run on the same
+    directory (under any path, bind mounts included: the lock is on the inode) fails at once."""
+
+    def __init__(self, dst: Path):
+        self.dst = dst
+        self.created = not dst.exists()
+        try:
+            dst.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise OutputError(f"cannot create or open the output directory: {exc.strerror or exc}", file=dst,
+                              fix="check the path and its permissions, or choose another output directory") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self.fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                raise OutputError("another ckpttool run is using this output directory", file=dst,
+                                  fix="wait for it to finish (or stop it), then run again; "
+                                      "use --resume to continue its work") from None
+            raise OutputError(f"cannot lock the output directory: {exc.strerror or exc}", file=dst) from None
+
+    def release(self, *, failed: bool = False) -> None:
+        if self.fd < 0:
+            return
+        if failed and self.created:  # a run refused before writing leaves no empty directory behind
+            try:
+                os.rmdir(self.dst)
+            except OSError:
+                pass
+        os.close(self.fd)
+        self.fd = -1
 
 
 def check_free_space(dst: Path, needed: int) -> None:
@@ -49,11 +124,14 @@ def check_free_space(dst: Path, needed: int) -> None:
 
 
 def already_complete(dst: Path, plan_hash: str, resume: bool) -> bool:
-    """--resume of a run that already published: nothing to do, if it is the same plan."""
+    """--resume of a run that already published: nothing to do, if it is the same plan. --resume
+    where nothing was published or staged: not complete (the run simply starts)."""
     if not resume or (dst / PARTIAL_DIR).exists():
         return False
     manifest = read_manifest(dst)
-    if manifest is None or manifest.get("plan_hash") != plan_hash:
+    if manifest is None:
+        return False
+    if manifest.get("plan_hash") != plan_hash:
         raise OutputError("--resume: the output here was produced by a different plan", file=dst,
                           fix="rerun with the original arguments, or --overwrite to start over")
     return True

@@ -12,13 +12,16 @@ from pathlib import Path
 
 from ckpttool import __version__, faults
 from ckpttool.execute.staging import Staging, atomic_write, fsync_path
+from ckpttool.errors import CkptError, InputError
 from ckpttool.io.hashing import sha256_file
-from ckpttool.io.layout import INDEX_NAME, MANIFEST, read_manifest
+from ckpttool.io.layout import INDEX_NAME, MANIFEST, check_output_names, is_own_regular_file, name_problem, read_manifest
+from ckpttool.io.safetensors import printable
 
 
 def publish(staging: Staging, src: Path, *, overwrite: bool, hash_workers: int = 8) -> dict:
     """Move finished files into place, then config/index/copies, then the manifest, last."""
     plan, dst = staging.plan, staging.dst
+    check_output_names([f.name for f in plan.files], plan.copies, source=dst)
     digests = staging.saved_digests()  # hashed while written, by this or another rank
     for f in plan.files:
         if f.name in staging.published:
@@ -37,13 +40,16 @@ def publish(staging: Staging, src: Path, *, overwrite: bool, hash_workers: int =
         aux.append(INDEX_NAME)
     for name in plan.copies:
         faults.point("publish")
-        atomic_write(dst / name, (Path(src) / name).read_bytes())
+        source = Path(src) / name
+        copied = not os.path.islink(dst / name) and (dst / name).is_file()
+        if os.path.exists(source) or not copied:  # else an interrupted publish copied it before it went
+            atomic_write(dst / name, copy_from=source)  # streamed, never read whole
         aux.append(name)
     names = [f.name for f in plan.files] + aux
     with ThreadPoolExecutor(hash_workers) as pool:  # files finished in an earlier run, and aux files
         missing = [n for n in names if n not in digests]
         digests.update(zip(missing, pool.map(lambda n: sha256_file(dst / n), missing)))
-    previous = read_manifest(dst) if overwrite else None
+    previous = _previous_manifest(dst) if overwrite else None
     manifest = {
         "tool": f"ckpttool {__version__}",
         "plan_hash": staging.plan_hash,
@@ -52,18 +58,39 @@ def publish(staging: Staging, src: Path, *, overwrite: bool, hash_workers: int =
     }
     faults.point("manifest")
     atomic_write(dst / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
-    if previous:  # --overwrite: shards of an earlier ckpttool run that this one did not produce
-        for stale in set(previous.get("files", {})) - set(names):
-            (dst / stale).unlink(missing_ok=True)
+    if previous:  # --overwrite: files of an earlier ckpttool run that this one did not produce
+        remove_stale(dst, previous["files"], keep=set(names))
     fsync_path(dst)
     shutil.rmtree(staging.dir)
     return manifest
 
 
+def _previous_manifest(dst: Path) -> dict | None:
+    """The manifest being replaced; a damaged one proves nothing, so nothing is deleted on its word."""
+    try:
+        return read_manifest(dst)
+    except CkptError:
+        return None
+
+
+def remove_stale(dst: Path, listed: dict, *, keep: set[str]) -> list[str]:
+    """Delete what an earlier manifest lists and this run does not produce, only where we can prove
+    we wrote it: a plain name (no path, no `..`, not one of ours), a regular file with one link (never
+    a symlink's target), and the size and sha256 the manifest recorded. Anything else stays."""
+    removed = []
+    for name in sorted(set(listed) - keep):
+        if name_problem(name) is not None or name == MANIFEST or name.startswith("."):
+            continue
+        path, want = dst / name, listed[name]
+        if not is_own_regular_file(path, want["size"]) or sha256_file(path) != want["sha256"]:
+            continue
+        os.unlink(path)
+        removed.append(name)
+    return removed
+
+
 def check_manifest(path: Path) -> dict:
     """Re-hash every published file against ckpttool-manifest.json (`inspect --check`)."""
-    from ckpttool.errors import InputError
-
     manifest = read_manifest(path)
     if manifest is None:
         raise InputError("no ckpttool manifest here", file=path / MANIFEST,
@@ -71,7 +98,9 @@ def check_manifest(path: Path) -> dict:
     results = {}
     for name, want in manifest["files"].items():
         p = path / name
-        if not p.is_file():
+        if name_problem(name) is not None:
+            results[printable(name)] = "not a plain file name (not something ckpttool writes)"
+        elif not p.is_file():
             results[name] = "missing"
         elif p.stat().st_size != want["size"]:
             results[name] = f"size {p.stat().st_size} != {want['size']}"

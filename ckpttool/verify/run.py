@@ -29,7 +29,7 @@ from ckpttool.errors import CkptError, InputError
 from ckpttool.execute.distributed import launched_by_torchrun
 from ckpttool.families.base import Verifier
 from ckpttool.families.table import family_for
-from ckpttool.io.checkpoint import read_config
+from ckpttool.io.checkpoint import read_config, read_json_object
 from ckpttool.io.layout import find_mp, mp_file
 from ckpttool.model.generate import greedy_generate, teacher_forced_logits
 from ckpttool.model.parallel import ParallelContext
@@ -170,7 +170,11 @@ def _tokenizer(directory: Path):
         from tokenizers import Tokenizer
     except ImportError:
         raise InputError("--prompt needs the `tokenizers` package", fix="pip install tokenizers, or pass --prompt-ids") from None
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises its own exception type
+        raise InputError(f"cannot load tokenizer.json: {str(exc)[:200]}", file=path,
+                         fix="re-copy tokenizer.json from the checkpoint, or pass --prompt-ids 1,2,3") from None
 
 
 def encode_prompt(directory: Path, text: str) -> list[int]:
@@ -181,10 +185,11 @@ def encode_prompt(directory: Path, text: str) -> list[int]:
                          fix="copy the tokenizer files beside the shards, or pass --prompt-ids 1,2,3")
     ids = tok.encode(text, add_special_tokens=False).ids
     config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = read_json_object(config_path, "tokenizer_config.json", "fix or re-copy tokenizer_config.json from "
+                              "the checkpoint, or pass --prompt-ids") if os.path.lexists(config_path) else {}
     bos = config.get("bos_token")
     bos = bos.get("content") if isinstance(bos, dict) else bos
-    if config.get("add_bos_token") and bos is not None and tok.token_to_id(bos) is not None:
+    if config.get("add_bos_token") and isinstance(bos, str) and tok.token_to_id(bos) is not None:
         ids = [tok.token_to_id(bos), *ids]
     return ids
 
