@@ -159,3 +159,15 @@ def test_convert_verify_compares_with_the_input_where_it_fits(tiny_v3, tmp_path,
     report = json.loads(run_cli("convert", tiny_v3, tmp_path / "b", "--mp", 2, "--verify", "--json").stdout)
     assert report["ok"] and "reference" not in report["verify"]["checks"]
     assert "would load it whole in float32" in report["verify_reference_skipped"]
+
+
+def test_verbose_shows_the_traceback_and_where_the_time_went(tiny_v3, tmp_path):
+    """`ckpttool -v`: more words, only for that run (in-process callers after it see the plain form)."""
+    loud = run_cli("-v", "convert", tiny_v3, tmp_path / "a", "--mp", 2)
+    assert "  time: plan" in loud.stdout and "thread-seconds:" in loud.stdout
+    quiet = run_cli("convert", tiny_v3, tmp_path / "b", "--mp", 2)
+    assert "time: plan" not in quiet.stdout
+    with pytest.raises(InputError):  # re-raised, so the traceback shows
+        run_cli("-v", "convert", tmp_path / "missing", tmp_path / "c")
+    plain = run_cli("convert", tmp_path / "missing", tmp_path / "c", check=False)
+    assert plain.returncode == 1 and "Traceback" not in plain.stderr and "error: checkpoint directory" in plain.stderr

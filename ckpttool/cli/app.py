@@ -23,12 +23,17 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def root(version: Annotated[bool, typer.Option("--version", "-V", callback=_print_version, is_eager=True,
-                                              help="Print ckpttool's version and exit.")] = False) -> None:
+def root(ctx: typer.Context,
+         version: Annotated[bool, typer.Option("--version", "-V", callback=_print_version, is_eager=True,
+                                              help="Print ckpttool's version and exit.")] = False,
+         verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Say more: the traceback behind an error, and "
+                                                                       "where a conversion's time went.")] = False
+         ) -> None:
     """Convert, dequantize, shard and verify large MoE checkpoints with bounded memory.
 
     Example: ckpttool demo ./demo-out
     """
+    ctx.obj = {"verbose": verbose}  # read by commands through the root context (cli/options.verbose)
 
 COMMANDS = (
     ("download", download.download),

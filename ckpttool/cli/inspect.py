@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ckpttool.cli.options import Json
-from ckpttool.errors import InputError
+from ckpttool.errors import InputError, printable
 from ckpttool.describe import describe
 from ckpttool.publish.publish import check_manifest
 
@@ -32,7 +32,7 @@ def inspect(path: Annotated[Path, typer.Argument(help="A .safetensors file or a 
             print(json.dumps(rep, indent=2))
         else:
             for name, status in rep["files"].items():
-                print(f"  {'ok ' if status == 'ok' else 'BAD'} {name}" + ("" if status == "ok" else f": {status}"))
+                print(f"  {'ok ' if status == 'ok' else 'BAD'} {printable(name)}" + ("" if status == "ok" else f": {status}"))
             print(f"{'intact' if rep['ok'] else 'DAMAGED'}: {path} (plan {str(rep['plan_hash'])[:12]})")
         if not rep["ok"]:
             raise typer.Exit(1)
@@ -60,7 +60,7 @@ def inspect(path: Annotated[Path, typer.Argument(help="A .safetensors file or a 
     rows = info["all"].items() if tensors else [(g["pattern"], g) for g in info["groups"]]
     for name, v in rows:
         if tensors:
-            print(f"  {name}  {v['dtype']} {v['shape']}  {v['bytes']} B  [{v['file']}]")
+            print(f"  {printable(name)}  {v['dtype']} {v['shape']}  {v['bytes']} B  [{printable(v['file'])}]")
         else:
             shapes = " | ".join(str(s) for s in v["shapes"][:3]) + (" ..." if len(v["shapes"]) > 3 else "")
-            print(f"  {name}  x{v['count']}  {'/'.join(v['dtypes'])} {shapes}")
+            print(f"  {printable(name)}  x{v['count']}  {'/'.join(v['dtypes'])} {shapes}")

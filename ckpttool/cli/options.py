@@ -46,3 +46,14 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit
 KeepMtp = Annotated[Optional[bool], typer.Option(
     "--keep-mtp/--drop-mtp", show_default=False,
     help="Keep or drop multi-token-prediction layers (default: kept in HF outputs, dropped from mp shards).")]
+
+
+def verbose() -> bool:
+    """Whether `ckpttool -v` (the root option) was given: read from the root context of the click that
+    typer runs on (typer >= 0.23 vendors its own, which plain `click.get_current_context` cannot see)."""
+    import importlib
+
+    click_core = typer.Context.__mro__[1].__module__  # typer's click.core, vendored or not
+    ctx = importlib.import_module(click_core.rsplit(".", 1)[0] + ".globals").get_current_context(silent=True)
+    obj = ctx.find_root().obj if ctx is not None else None
+    return bool(obj and obj.get("verbose"))

@@ -27,6 +27,7 @@ from ckpttool.cli.options import (
     Src,
     Workers,
     require_torch,
+    verbose,
 )
 from ckpttool.errors import RecipeError
 from ckpttool.recipe import Recipe, bundled_recipes, load_recipe, preset
@@ -81,6 +82,10 @@ def _print_result(report: RunReport) -> None:
         print(report.verify.render(result.dst))
     if report.reference_skipped:
         print(f"  (not compared with the input: {report.reference_skipped})")
+    if verbose() and result.timings is not None:  # ckpttool -v: where the time went
+        timing = result.timings.to_json()
+        print("  time: " + ", ".join(f"{k} {v:.2f}s" for k, v in timing["phases_s"].items()))
+        print("  thread-seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in timing["thread_s"].items()))
 
 
 def _print_plan(rep: dict, as_json: bool) -> None:
