@@ -75,6 +75,29 @@ def tiny_gpt_oss(tmp_path_factory) -> Path:
     return build_gpt_oss_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-gpt-oss", mxfp4=True, seed=7)
 
 
+@pytest.fixture
+def src(tiny_v3, tmp_path) -> Path:
+    """A private copy of tiny_v3, for tests that change, bind-mount or symlink their input."""
+    import shutil
+
+    copy = tmp_path / "src"
+    shutil.copytree(tiny_v3, copy)
+    return copy
+
+
+def wait_until_stopped(proc, timeout: float = 120) -> bool:
+    """Whether `proc` reached a stopped state (a CKPTTOOL_FAULT `stop` point) within `timeout` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "T":
+                return True
+        time.sleep(0.05)
+    return False
+
+
 def run_cli(*args: object, check: bool = True) -> subprocess.CompletedProcess:
     """The CLI in-process (fast): real argument parsing, real exit code, captured stdout/stderr."""
     from ckpttool.cli import main

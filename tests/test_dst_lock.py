@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, wait_until_stopped
 
 CONVERT = ("--mp", "2", "--dtype", "bf16", "--quiet", "--workers", "2")
 
@@ -27,13 +27,7 @@ def paused(tiny_v3, tmp_path):
     dst = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "ckpttool", "convert", str(tiny_v3), str(dst), *CONVERT],
                             env={**os.environ, "CKPTTOOL_FAULT": "pwrite:5:stop"}, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            if f.read().split(")")[-1].split()[0] == "T":
-                break
-        time.sleep(0.05)
-    else:
+    if not wait_until_stopped(proc):
         proc.kill()
         pytest.fail("the conversion never reached its stop point")
     yield proc, dst

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ckpttool.io.layout import MANIFEST, PARTIAL_DIR
-from conftest import run_cli, run_cli_process
+from conftest import run_cli, run_cli_process, wait_until_stopped
 
 COMMANDS = ("download", "dequant", "shard", "convert", "run", "plan", "inspect", "verify", "merge", "demo")
 
@@ -143,12 +143,7 @@ def test_ctrl_c_says_the_work_is_journalled_and_how_to_resume(tiny_v3, tmp_path)
                             env={**os.environ, "CKPTTOOL_FAULT": "pwrite:20:stop"}, stderr=subprocess.PIPE, text=True,
                             # a shell's background job ignores SIGINT, and so would its children: a terminal's does not
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            if f.read().split(")")[-1].split()[0] == "T":
-                break
-        time.sleep(0.05)
+    assert wait_until_stopped(proc), "the conversion never reached its stop point"
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=120)

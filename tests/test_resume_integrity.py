@@ -23,13 +23,6 @@ def _tree(path):
 
 
 @pytest.fixture
-def src(tiny_v3, tmp_path):
-    copy = tmp_path / "src"
-    shutil.copytree(tiny_v3, copy)
-    return copy
-
-
-@pytest.fixture
 def interrupted(src, tmp_path):
     dst = tmp_path / "out"
     proc = run_cli_process("convert", src, dst, *CONVERT, env={"CKPTTOOL_FAULT": "pwrite:3"})

@@ -20,13 +20,6 @@ def _digest(root) -> dict[str, str]:
 
 
 @pytest.fixture
-def src(tiny_v3, tmp_path):
-    copy = tmp_path / "src"
-    shutil.copytree(tiny_v3, copy)
-    return copy
-
-
-@pytest.fixture
 def bind(src, tmp_path):
     view = tmp_path / "view"
     view.mkdir()
