@@ -143,7 +143,7 @@ def run(request: Request) -> RunReport | dict:
 
         reference, skipped = verify.reference, None
         if reference == INPUT:
-            reference, skipped = _input_reference(src, report.result)
+            reference, skipped = _input_reference(src)
         report.verify = run_verify(request.dst, reference=reference, prompt=verify.prompt,
                                    prompt_ids=verify.prompt_ids, max_new_tokens=verify.max_new_tokens,
                                    device=verify.device, dtype=verify.dtype, tolerance=verify.tolerance)
@@ -156,10 +156,8 @@ REFERENCE_RAM_FRACTION = 0.25
 float32 size is at most this share of the machine's memory"""
 
 
-def _input_reference(src: Path, result: RunResult) -> tuple[Path | None, str | None]:
+def _input_reference(src: Path) -> tuple[Path | None, str | None]:
     """The input as verify's reference where loading it whole is safe here, else (None, why not)."""
-    import os
-
     with Checkpoint(src) as ckpt:
         elements = sum(t.info.nbytes // itemsize(t.info.dtype) for t in ckpt.tensors.values())
     need = elements * 4
