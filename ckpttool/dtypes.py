@@ -7,6 +7,8 @@ at every start. bf16 has no numpy dtype and is carried as uint16; FP8 codes as u
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 
 # dtype code -> (numpy carrier, torch dtype name)
@@ -48,3 +50,12 @@ def dtype_code(torch_dtype_) -> str | None:
     """The safetensors code of a torch dtype (the inverse of torch_dtype), or None."""
     name = str(torch_dtype_).removeprefix("torch.")
     return next((code for code, (_, n) in _DTYPE_TABLE.items() if n == name), None)
+
+
+def torch_installed() -> bool:
+    """Whether torch can be imported, without importing it (seconds of start-up): the core install
+    has none, and the commands that need it say which extra brings it."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False

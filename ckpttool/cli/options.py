@@ -7,19 +7,10 @@ from typing import Annotated, Optional
 import typer
 
 from ckpttool import defaults
+from ckpttool.dtypes import torch_installed
 from ckpttool.errors import CkptError
 
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-
-
-def torch_installed() -> bool:
-    """Without importing it (seconds of start-up)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("torch") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def require_torch(what: str, extra: str) -> None:

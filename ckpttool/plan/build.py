@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 from dataclasses import dataclass
 
 from pathlib import Path
 
+from ckpttool.dtypes import torch_installed
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.table import family_for
 from ckpttool.formats import CKPTTOOL_QUANTIZATION, quantized_config
@@ -70,7 +70,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         dropped = {t.name for t in mtp}
         tensors = [t for t in tensors if t.name not in dropped]
         notes.append(f"dropped {len(dropped)} MTP tensors (keep them with --keep-mtp)")
-    if spec.quantize is not None and not _torch_installed():
+    if spec.quantize is not None and not torch_installed():
         raise PlanError(f"the quantize stage ({spec.quantize}) needs torch, which the core install leaves out",
                         file=config_path, fix="pip install 'ckpttool[quantize]'")
     if spec.dequant:
@@ -114,13 +114,6 @@ def input_fingerprints(inputs: ShardFiles) -> dict[str, dict]:
             header = f.read(sf.data_start)
         out[name] = {"size": sf.path.stat().st_size, "header_sha256": hashlib.sha256(header).hexdigest()}
     return out
-
-
-def _torch_installed() -> bool:
-    try:
-        return importlib.util.find_spec("torch") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoint) -> None:

@@ -39,9 +39,7 @@ class MergeSpec:
 
     def open(self, src: Path) -> ShardFiles:
         src = Path(src)
-        if not src.is_dir():
-            raise InputError("directory does not exist", file=src, fix="pass the output directory of `ckpttool shard`")
-        mp = find_mp(src)
+        mp = find_mp(src)  # which also says so when src is not a directory
         return ShardFiles(src, [mp_file(r, mp) for r in range(mp)])
 
     def plan(self, shards: ShardFiles) -> Plan:
