@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ from ckpttool.publish.destination import (
     check_destination,
     check_free_space,
     check_outside,
+    free_space,
 )
 from ckpttool.publish.publish import publish
 from ckpttool.recipe import INPUT, Execution, Recipe
@@ -217,12 +217,7 @@ def plan_report(src: Path, job: Job, recipe: Recipe, dst: Path | None) -> dict:
     peak = max(peak, task_mem[0] if task_mem else 0)
     aux = len(json.dumps(plan.index or {})) + len(json.dumps(plan.config or {}))
     aux += sum((Path(plan.src) / n).stat().st_size for n in plan.copies)
-    free = None
-    if dst is not None:
-        probe = Path(dst)
-        while not probe.exists():
-            probe = probe.parent
-        free = shutil.disk_usage(probe).free
+    free = None if dst is None else free_space(dst)
     return {
         "recipe": recipe.name, "src": plan.src, "format": plan.format, "plan_hash": plan.hash,
         "files": [{"name": f.name, "tensors": len(f.tensors), "bytes": f.size} for f in plan.files],

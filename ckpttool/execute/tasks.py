@@ -30,7 +30,6 @@ from ckpttool.io.safetensors import TensorInfo, array_from_bytes, read_bytes
 from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.plan.types import PlacedTensor, Plan
 
-CHUNK_BYTES = defaults.CHUNK_BYTES
 
 
 @dataclass(slots=True)
@@ -52,7 +51,7 @@ class Task:
         """dim-0 length; a scalar counts as one row."""
         return self.info.shape[0] if self.info.shape else 1
 
-    def chunk_rows(self, chunk_bytes: int = CHUNK_BYTES) -> int:
+    def chunk_rows(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
         if self.transform in QUANTIZE_TRANSFORMS:
             return max(1, self.rows)
         shape = self.info.shape
@@ -65,7 +64,7 @@ class Task:
         rows = max(1, chunk_bytes // max(out_row, 1)) // align * align
         return max(align, rows)
 
-    def memory(self, chunk_bytes: int = CHUNK_BYTES) -> int:
+    def memory(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
         """Peak bytes one run of rows needs: the source rows, the transformed rows (and the fp32
         temporary of a dequant), and one contiguous piece copy."""
         info = self.info
@@ -89,7 +88,7 @@ class Task:
         return self.file, self.info.start
 
     def run(self, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
-            chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
+            chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
         return run_task(self, inputs, staging, gpu, chunk_bytes)
 
 
@@ -116,21 +115,21 @@ class GatherTask:
     def read_order(self) -> tuple[str, int]:
         return self.parts[0][0], self.parts[0][1].start
 
-    def chunk_rows(self, chunk_bytes: int = CHUNK_BYTES) -> int:
+    def chunk_rows(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
         shape = self.placed.tensor.shape
         if not shape:
             return 1
         row_bytes = self.nbytes_out // max(shape[0], 1)
         return max(1, chunk_bytes // max(row_bytes, 1))
 
-    def memory(self, chunk_bytes: int = CHUNK_BYTES) -> int:
+    def memory(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
         """The parts' rows of one run, and their concatenation."""
         shape = self.placed.tensor.shape
         rows = min(self.chunk_rows(chunk_bytes), shape[0] if shape else 1)
         return 2 * (self.nbytes_out // max(shape[0] if shape else 1, 1)) * rows
 
     def run(self, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
-            chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
+            chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
         return run_gather(self, inputs, staging, chunk_bytes)
 
 
@@ -191,7 +190,7 @@ def _check_scale_values(inputs: ShardFiles, task: Task, scale: np.ndarray) -> No
 
 
 def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
-             chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
+             chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
     """Stream one task's rows: read, transform (on `gpu` when given and started, else the CPU), write."""
     clock = staging.timings
     info = task.info
@@ -273,7 +272,7 @@ def _write_rows(task: Task, x: np.ndarray, r0: int, r1: int, staging: Staging) -
 
 
 def run_gather(task: GatherTask, inputs: ShardFiles, staging: Staging,
-               chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
+               chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
     """Stream one merged tensor: rows of each part (a part's rows are contiguous bytes), concatenated
     along the split dim, written at their offsets. Along dim 0 the parts simply follow each other."""
     clock, placed = staging.timings, task.placed

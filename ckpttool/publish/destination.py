@@ -52,10 +52,7 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool) ->
     nothing was started (no staging dir, no manifest) simply starts."""
     if src.exists():
         src_id = _ids(src)[0]
-        probe = dst
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        if src_id in _ids(probe) or (dst.exists() and _ids(dst)[0] in _ids(src)):
+        if src_id in _ids(existing_ancestor(dst)) or (dst.exists() and _ids(dst)[0] in _ids(src)):
             raise OutputError(f"output {dst} overlaps input {src}", fix="choose an output directory outside the input")
     if dst.exists() and not dst.is_dir():
         raise OutputError("output path exists and is not a directory", file=dst)
@@ -113,10 +110,21 @@ class DestinationLock:
         self.fd = -1
 
 
+def existing_ancestor(path: Path) -> Path:
+    """`path`, or its nearest parent that exists: where a DST that is not made yet will live."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_space(dst: Path) -> int:
+    """Free bytes on the filesystem DST is (or will be) on."""
+    return shutil.disk_usage(existing_ancestor(dst)).free
+
+
 def check_free_space(dst: Path, needed: int) -> None:
-    probe = dst
-    while not probe.exists():
-        probe = probe.parent
+    probe = existing_ancestor(dst)
     free = shutil.disk_usage(probe).free
     if free < needed:
         raise OutputError(f"needs {needed / 2**30:.2f} GiB free, only {free / 2**30:.2f} GiB available", file=probe,
