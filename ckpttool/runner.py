@@ -200,11 +200,6 @@ def resolve_input(recipe: Recipe, src: str | Path | None, *, quiet: bool) -> Pat
     return Path(hub.download_checkpoint(text, quiet=quiet, **kwargs).path)
 
 
-def plan_only(src: Path, job: Job) -> Plan:
-    with job.open(src) as inputs:
-        return job.plan(inputs)
-
-
 def plan_report(src: Path, job: Job, recipe: Recipe, dst: Path | None) -> dict:
     """The plan, what it will write, and the disk and peak memory it needs: from headers alone."""
     budget = defaults.parse_size(recipe.execution.max_memory)
