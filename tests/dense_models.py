@@ -44,6 +44,9 @@ def build_hf(family: str, dst: Path, *, seed: int = 0, spec: dict | None = None)
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a zero router bias would prove nothing
+                b.copy_(0.3 * torch.randn_like(b))
     model.to(torch.bfloat16).save_pretrained(dst)
     return dst
 

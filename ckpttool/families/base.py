@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckpttool.errors import InputError, PlanError
-from ckpttool.families.keymap import KeyMap
+from ckpttool.families.keymap import EXPERT, KeyMap
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +89,9 @@ class Family:
     quantize: bool = False
     """whether the quantize stage supports this family; which weights it quantizes is the key
     table's LINEAR column (`quantizable`)"""
+    key_maps: dict[str, KeyMap] = field(default_factory=dict)
+    """model_type -> its own key table, where the family's model types name tensors differently
+    (Mixtral's `block_sparse_moe.experts.E.w1` against Qwen's `mlp.experts.E.gate_proj`); `keys(cfg)`"""
     transformers_types: dict[str, str] = field(default_factory=dict)
     """model_type -> the transformers model_type implementing it, where transformers names it otherwise
     (Kimi-K2 ships remote code for the DeepSeek-V3 architecture): verify's oracle"""
@@ -106,8 +109,35 @@ class Family:
                                  "tensors", file=source, fix="use the config.json published with the checkpoint")
         return self.expected_shapes(cfg, with_mtp)
 
+    def keys(self, cfg: Any) -> KeyMap:
+        """The key table of a parsed config's model_type."""
+        return self.key_maps.get(getattr(cfg, "model_type", None), self.key_map)
+
     def quantizable(self, hf_name: str) -> bool:
         return self.quantize and self.key_map.is_linear(hf_name)
+
+
+def rank_slice(key_map: KeyMap, native: str, shapes: dict[str, tuple[int, ...]], cfg: Any, rank: int,
+               world: int) -> tuple[str, tuple[int, int, int] | None]:
+    """The HF tensor an mp parameter comes from, and the (dim, start, length) of it this rank holds
+    (None: all of it, i.e. replicated, a whole routed expert, or mp=1). `shapes` are the config's HF
+    weight shapes (expected_shapes)."""
+    mapped = key_map.to_hf(native)
+    if mapped is None:
+        raise KeyError(f"no HF name for model parameter {native!r}")  # a model/table mismatch: a bug here
+    split = mapped.split
+    if split is None or split == EXPERT or world == 1:
+        return mapped.name, None
+    shape = shapes[mapped.hf_weight or mapped.name]
+    if isinstance(split, HeadSplit):
+        start, length = split.rank_ranges(shape, cfg, world)[rank]
+        dim = split.dim
+    else:
+        dim, length = split, shape[split] // world
+        start = rank * length
+    if mapped.companion is not None:
+        start, length = mapped.companion.scale_range(start, length)
+    return mapped.name, (dim, start, length)
 
 
 def attention_shapes(shapes: dict, prefix: str, hidden: int, q_out: int, kv_out: int, *,

@@ -11,8 +11,9 @@ from ckpttool.families.base import Family
 from ckpttool.families.deepseek import FAMILY as DEEPSEEK
 from ckpttool.families.dense import FAMILY as DENSE
 from ckpttool.families.gpt_oss import FAMILY as GPT_OSS
+from ckpttool.families.moe import FAMILY as MOE
 
-FAMILIES: tuple[Family, ...] = (DEEPSEEK, DENSE, GPT_OSS)
+FAMILIES: tuple[Family, ...] = (DEEPSEEK, DENSE, GPT_OSS, MOE)
 
 MODEL_TYPES: tuple[str, ...] = tuple(sorted(t for f in FAMILIES for t in f.model_types))
 """every config.json model_type ckpttool reads"""

@@ -66,7 +66,7 @@ def plan_merge(shards: ShardFiles, *, max_shard_bytes: int) -> Plan:
     mapped_of: dict[str, object] = {}
     for rank, header in enumerate(headers):
         for native in header.tensors:
-            mapped = family.key_map.to_hf(native)
+            mapped = family.keys(cfg).to_hf(native)
             if mapped is None:
                 raise InputError(f"not a {family.name} mp tensor name", file=header.path, tensor=native,
                                  fix="merge reads what `ckpttool shard` writes for this config.json's model_type")

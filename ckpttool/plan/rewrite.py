@@ -21,7 +21,7 @@ def rewrite_config(config: dict, *, dequant_to: str | None, mtp_key: str | None,
         config["torch_dtype"] = TORCH_DTYPE_NAMES[dequant_to]
         if "dtype" in config:
             config["dtype"] = TORCH_DTYPE_NAMES[dequant_to]
-    if mtp_dropped and mtp_key and config.get(mtp_key):
+    if mtp_dropped and mtp_key:  # also where config.json left the count to the class default
         config[mtp_key] = 0
     return config
 

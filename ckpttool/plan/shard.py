@@ -26,7 +26,7 @@ def shard(tensors: list[TensorPlan], family: Family, cfg, mp: int, files_of: dic
     shapes = {t.name: t.shape for t in tensors}
     out: list[TensorPlan] = []
     for t in tensors:
-        mapped = family.key_map.to_native(t.name)
+        mapped = family.keys(cfg).to_native(t.name)
         if mapped is None:
             raise PlanError("tensor has no row in the key table", file=files_of.get(t.source), tensor=t.name,
                             fix=f"this {family.name} checkpoint has a tensor ckpttool does not know; report it")

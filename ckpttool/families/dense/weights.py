@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpttool.families.base import HeadSplit, Verifier
+from ckpttool.families.base import Verifier, rank_slice
 from ckpttool.families.dense.model import DenseArgs, DenseTransformer
 from ckpttool.families.dense.spec import KEY_MAP, DenseConfig, hf_tensor_shapes
 from ckpttool.io.checkpoint import Checkpoint
@@ -15,22 +15,7 @@ from ckpttool.model.parallel import ParallelContext
 
 def hf_source(native: str, ctx: ParallelContext, cfg: DenseConfig) -> tuple[str, tuple[int, int, int] | None]:
     """The HF tensor a model parameter comes from, and the (dim, start, length) this rank holds of it."""
-    mapped = KEY_MAP.to_hf(native)
-    if mapped is None:
-        raise KeyError(f"no HF name for model parameter {native!r}")  # a model/table mismatch: a bug here
-    split = mapped.split
-    if split is None or ctx.world_size == 1:
-        return mapped.name, None
-    shape = hf_tensor_shapes(cfg)[mapped.hf_weight or mapped.name]
-    if isinstance(split, HeadSplit):
-        start, length = split.rank_ranges(shape, cfg, ctx.world_size)[ctx.rank]
-        dim = split.dim
-    else:
-        dim, length = split, shape[split] // ctx.world_size
-        start = ctx.rank * length
-    if mapped.companion is not None:
-        start, length = mapped.companion.scale_range(start, length)
-    return mapped.name, (dim, start, length)
+    return rank_slice(KEY_MAP, native, hf_tensor_shapes(cfg), cfg, ctx.rank, ctx.world_size)
 
 
 def load_hf_dense(model: DenseTransformer, directory: Path, n_layers: int = 0) -> None:

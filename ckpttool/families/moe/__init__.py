@@ -1,0 +1,29 @@
+"""Mixture-of-experts decoders with Llama-style attention: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5
+and MiniMax-M2. Its FAMILY row; the family's files are laid out as families/base.py describes."""
+
+from __future__ import annotations
+
+from ckpttool.families.base import Family, Verifier
+from ckpttool.families.moe import spec
+
+
+def _verifier() -> Verifier:
+    from ckpttool.families.moe.weights import VERIFIER
+
+    return VERIFIER
+
+
+FAMILY = Family(
+    name="moe",
+    model_types=spec.MODEL_TYPES,
+    key_map=spec.KEY_MAPS["qwen3_moe"],
+    key_maps=spec.KEY_MAPS,
+    parse_config=spec.MoeConfig.from_dict,
+    expected_shapes=lambda cfg, with_mtp: spec.hf_tensor_shapes(cfg, with_mtp=with_mtp),
+    is_mtp_tensor=spec.is_mtp_tensor,
+    num_experts=lambda cfg: cfg.num_experts,
+    vocab_size=lambda cfg: cfg.vocab_size,
+    check_mp=spec.check_mp,
+    verifier=_verifier,
+    mtp_config_key="num_nextn_predict_layers",
+)

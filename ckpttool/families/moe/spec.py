@@ -1,0 +1,328 @@
+"""Mixture-of-experts decoders with Llama-style GQA attention: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE,
+GLM-4.5/4.6 (glm4_moe) and MiniMax-M2. Config, tensor shapes and the HF <-> mp key tables.
+
+One mp layout serves every model type: the dense family's names (`tok_embeddings`,
+`layers.{layer}.attention.wq`, `feed_forward.w1`, `output`) plus `feed_forward.gate` (the router; its
+`bias` is the `e_score_correction_bias`), `feed_forward.experts.{expert}.w1/w2/w3` (whole experts on
+the rank owning a contiguous range, as DeepSeek's layout does), `feed_forward.shared_experts.w1/w2/w3`
+and `feed_forward.shared_expert_gate`. The HF names differ by model type (Mixtral and MiniMax-M2 say
+`block_sparse_moe.experts.E.w1`, the others `mlp.experts.E.gate_proj`), so each type has its own key
+table (`Family.keys(cfg)`).
+
+Each model type's fields are read as its transformers config class reads them, with that class's
+defaults (`CONFIG_DEFAULTS`, held to the installed classes by tests/test_moe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckpttool.errors import InputError, PlanError
+from ckpttool.families.base import HeadSplit, attention_shapes, config_fields, layer_index
+from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
+
+Q_HEADS = HeadSplit(dim=0, count="num_attention_heads")
+KV_HEADS = HeadSplit(dim=0, count="num_key_value_heads", replicate=True)
+O_HEADS = HeadSplit(dim=1, count="num_attention_heads")
+
+
+@dataclass(frozen=True, slots=True)
+class Flavor:
+    """How one model type names and wires the parts every MoE decoder here has."""
+
+    block: str  # the MoE module under each layer: "mlp" or "block_sparse_moe"
+    expert_leaves: tuple[str, str, str]  # HF names of the gate, up and down projections of an expert
+    correction_bias: str | None  # e_score_correction_bias, relative to the block
+    shared: str | None  # the shared expert's module name, if any
+    shared_gate: bool  # Qwen2-MoE's sigmoid gate on the shared expert
+    qk_norm: str  # "none", "head" or "full" (model/decoder.QK_NORMS); GLM's follows use_qk_norm
+    expert_count: tuple[str, ...]  # config fields naming the routed expert count, as the class aliases them
+    default_theta: float
+
+
+_QWEN = ("gate_proj", "up_proj", "down_proj")
+_MIXTRAL = ("w1", "w3", "w2")
+FLAVORS: dict[str, Flavor] = {
+    "qwen2_moe": Flavor("mlp", _QWEN, None, "shared_expert", True, "none", ("num_experts",), 10000.0),
+    "qwen3_moe": Flavor("mlp", _QWEN, None, None, False, "head", ("num_local_experts", "num_experts"), 10000.0),
+    "mixtral": Flavor("block_sparse_moe", _MIXTRAL, None, None, False, "none", ("num_local_experts", "num_experts"),
+                      1000000.0),
+    "olmoe": Flavor("mlp", _QWEN, None, None, False, "full", ("num_experts", "num_local_experts"), 10000.0),
+    "glm4_moe": Flavor("mlp", _QWEN, "gate.e_score_correction_bias", "shared_experts", False, "head",
+                       ("n_routed_experts", "num_local_experts"), 10000.0),
+    "minimax_m2": Flavor("block_sparse_moe", _MIXTRAL, "e_score_correction_bias", None, False, "full",
+                         ("num_local_experts", "num_experts"), 5000000.0),
+}
+MODEL_TYPES = tuple(sorted(FLAVORS))
+
+CONFIG_DEFAULTS: dict[str, dict] = {
+    "qwen2_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+                      num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, num_experts=60,
+                      num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+                      shared_expert_intermediate_size=5632, qkv_bias=True, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, hidden_act="silu"),
+    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                      num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4, num_local_experts=128,
+                      num_experts_per_tok=8, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+                      attention_bias=False, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu"),
+    "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu"),
+    "olmoe": dict(vocab_size=50304, hidden_size=2048, intermediate_size=2048, num_hidden_layers=16,
+                  num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                  norm_topk_prob=False, attention_bias=False, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  clip_qkv=None, hidden_act="silu"),
+    "glm4_moe": dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+                     num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, n_routed_experts=128,
+                     num_experts_per_tok=8, n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+                     first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=False, attention_bias=False,
+                     rms_norm_eps=1e-5, tie_word_embeddings=False, num_nextn_predict_layers=1, hidden_act="silu"),
+    "minimax_m2": dict(vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
+                       num_attention_heads=48, num_key_value_heads=8, head_dim=128, num_local_experts=256,
+                       num_experts_per_tok=8, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu"),
+}
+"""What each transformers config class holds for a field config.json leaves out."""
+PARTIAL_ROTARY_DEFAULT = {"glm4_moe": 0.5}
+"""partial_rotary_factor where the class sets one (MiniMax-M2 derives it from `rotary_dim`)"""
+
+
+def key_table(model_type: str) -> list[tuple]:
+    """(hf template, native template, split[, LINEAR]) rows of one model type."""
+    f = FLAVORS[model_type]
+    hf, nat = "model.layers.{layer}.", "layers.{layer}."
+    norm_split = (Q_HEADS, KV_HEADS) if f.qk_norm == "full" else (None, None)
+    attn = [("q_proj", "wq", Q_HEADS), ("k_proj", "wk", KV_HEADS), ("v_proj", "wv", KV_HEADS)]
+    rows = [
+        ("model.embed_tokens.weight", "tok_embeddings.weight", 0),
+        ("model.norm.weight", "norm.weight", None),
+        ("lm_head.weight", "output.weight", 0),
+        (hf + "input_layernorm.weight", nat + "attention_norm.weight", None),
+        (hf + "post_attention_layernorm.weight", nat + "ffn_norm.weight", None),
+        (hf + "self_attn.o_proj.weight", nat + "attention.wo.weight", O_HEADS, LINEAR),
+        (hf + "self_attn.o_proj.bias", nat + "attention.wo.bias", None),  # added once, after the all-reduce
+        (hf + "self_attn.q_norm.weight", nat + "attention.q_norm.weight", norm_split[0]),
+        (hf + "self_attn.k_norm.weight", nat + "attention.k_norm.weight", norm_split[1]),
+        (hf + f.block + ".gate.weight", nat + "feed_forward.gate.weight", None),
+    ]
+    for a, b, split in attn:
+        rows += [(f"{hf}self_attn.{a}.weight", f"{nat}attention.{b}.weight", split, LINEAR),
+                 (f"{hf}self_attn.{a}.bias", f"{nat}attention.{b}.bias", split)]
+    mlp = list(zip(_QWEN, ("w1", "w3", "w2"), (0, 0, 1)))  # dense layers: always Qwen's names under mlp.
+    rows += [(f"{hf}mlp.{a}.weight", f"{nat}feed_forward.{b}.weight", split, LINEAR) for a, b, split in mlp]
+    rows += [(f"{hf}{f.block}.experts.{{expert}}.{a}.weight", f"{nat}feed_forward.experts.{{expert}}.{b}.weight",
+              EXPERT, LINEAR) for a, b in zip(f.expert_leaves, ("w1", "w3", "w2"))]
+    if f.correction_bias:
+        rows.append((f"{hf}{f.block}.{f.correction_bias}", nat + "feed_forward.gate.bias", None))
+    if f.shared:
+        rows += [(f"{hf}mlp.{f.shared}.{a}.weight", f"{nat}feed_forward.shared_experts.{b}.weight", split, LINEAR)
+                 for a, b, split in mlp]
+    if f.shared_gate:
+        rows.append((hf + "mlp.shared_expert_gate.weight", nat + "feed_forward.shared_expert_gate.weight", None))
+    if model_type == "glm4_moe":  # its MTP layers, named as DeepSeek's
+        rows += [(hf + a, nat + b, *rest) for a, b, *rest in (
+            ("enorm.weight", "enorm.weight", None), ("hnorm.weight", "hnorm.weight", None),
+            ("eh_proj.weight", "eh_proj.weight", None, LINEAR), ("embed_tokens.weight", "embed.weight", 0),
+            ("shared_head.norm.weight", "shared_head.norm.weight", None),
+            ("shared_head.head.weight", "shared_head.head.weight", 0))]
+    return rows
+
+
+KEY_MAPS = {t: KeyMap(key_table(t)) for t in MODEL_TYPES}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class MoeConfig:
+    """The fields of a config.json that decide tensor names, shapes and the model's numerics."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP layers
+    expert_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or a dense MLP
+    shared_intermediate_size: int  # 0: no shared expert
+    scoring: str  # "softmax" or "sigmoid"
+    norm_topk_prob: bool
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    qk_norm: str  # "none", "head" or "full" (model/decoder.QK_NORMS)
+    qkv_bias: bool
+    o_bias: bool
+    clip_qkv: float | None
+    partial_rotary_factor: float
+    num_nextn_predict_layers: int
+    tie_word_embeddings: bool
+    rms_norm_eps: float
+
+    @property
+    def flavor(self) -> Flavor:
+        return FLAVORS[self.model_type]
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: object = "config.json") -> "MoeConfig":
+        model_type = raw.get("model_type")
+        if model_type not in FLAVORS:
+            raise InputError(f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}", file=source)
+        f = FLAVORS[model_type]
+        d = {**CONFIG_DEFAULTS[model_type], **raw}
+        with config_fields(source):
+            heads, hidden, layers = int(d["num_attention_heads"]), int(d["hidden_size"]), int(d["num_hidden_layers"])
+            if d.get("hidden_act") != "silu":
+                raise InputError(f"hidden_act {d.get('hidden_act')!r} is not supported", file=source,
+                                 fix="ckpttool's MoE model uses SiLU-gated experts")
+            sparse = _moe_layers(model_type, d, layers)
+            experts = _expert_count(f, raw, d, source)
+            glm, minimax = model_type == "glm4_moe", model_type == "minimax_m2"
+            cfg = cls(
+                model_type=model_type, vocab_size=int(d["vocab_size"]), hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                expert_intermediate_size=int(d["moe_intermediate_size"] if "moe_intermediate_size" in
+                                             CONFIG_DEFAULTS[model_type] else d["intermediate_size"]),
+                num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                num_experts=experts, num_experts_per_tok=int(d["num_experts_per_tok"]), moe_layers=sparse,
+                shared_intermediate_size=(int(d["shared_expert_intermediate_size"]) if model_type == "qwen2_moe" else
+                                          int(d["n_shared_experts"]) * int(d["moe_intermediate_size"]) if glm else 0),
+                scoring="sigmoid" if glm or minimax else "softmax",
+                norm_topk_prob=True if model_type in ("mixtral", "minimax_m2") else bool(d["norm_topk_prob"]),
+                n_group=int(d["n_group"]) if glm else 1, topk_group=int(d["topk_group"]) if glm else 1,
+                routed_scaling_factor=float(d["routed_scaling_factor"]) if glm else 1.0,
+                qk_norm=("head" if d["use_qk_norm"] else "none") if glm else f.qk_norm,
+                qkv_bias=bool(d["qkv_bias"]) if model_type == "qwen2_moe" else bool(d.get("attention_bias", False)),
+                o_bias=model_type in ("qwen3_moe", "olmoe") and bool(d.get("attention_bias", False)),
+                clip_qkv=float(d["clip_qkv"]) if model_type == "olmoe" and d.get("clip_qkv") is not None else None,
+                partial_rotary_factor=_partial_rotary(model_type, raw, d, source),
+                num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 1))) if glm
+                else 0,
+                tie_word_embeddings=bool(d["tie_word_embeddings"]), rms_norm_eps=float(d["rms_norm_eps"]))
+        _check(cfg, source)
+        return cfg
+
+
+def _moe_layers(model_type: str, d: dict, layers: int) -> tuple[bool, ...]:
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        step, dense = int(d["decoder_sparse_step"]), {int(i) for i in d["mlp_only_layers"] or []}
+        experts = int(d.get("num_experts", d.get("num_local_experts", 1)) or 0)
+        return tuple(i not in dense and experts > 0 and step > 0 and (i + 1) % step == 0 for i in range(layers))
+    if model_type == "glm4_moe":
+        return tuple(i >= int(d["first_k_dense_replace"]) for i in range(layers))
+    return (True,) * layers
+
+
+def _expert_count(f: Flavor, raw: dict, d: dict, source: object) -> int:
+    """The routed expert count under any of the names the config class aliases; two that disagree are refused."""
+    given = {k: int(raw[k]) for k in f.expert_count if raw.get(k) is not None}
+    if len(set(given.values())) > 1:
+        raise InputError(f"config.json names the expert count twice, differently: {given}", file=source,
+                         fix="use the config.json published with the checkpoint")
+    return next(iter(given.values())) if given else int(d[f.expert_count[0]])
+
+
+def _partial_rotary(model_type: str, raw: dict, d: dict, source: object) -> float:
+    """transformers' precedence: rope_parameters' (or rope_scaling's) partial_rotary_factor, then a top-level
+    one, then the class default (MiniMax-M2: rotary_dim / head_dim). Types whose transformers model rotates
+    the whole head refuse a factor other than 1."""
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    default = PARTIAL_ROTARY_DEFAULT.get(model_type, 1.0)
+    if model_type == "minimax_m2" and d.get("rotary_dim") is not None:
+        default = int(d["rotary_dim"]) / int(d.get("head_dim") or 128)
+    factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", default))
+                   if isinstance(rope, dict) else default)
+    if model_type not in ("glm4_moe", "minimax_m2") and factor != 1.0:
+        raise InputError(f"partial_rotary_factor {factor} is not used by transformers' {model_type} model", file=source,
+                         fix="remove it from config.json, or report this checkpoint")
+    if not 0 < factor <= 1:
+        raise InputError(f"partial_rotary_factor {factor} is not in (0, 1]", file=source)
+    return factor
+
+
+def _check(cfg: MoeConfig, source: object) -> None:
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise InputError(f"num_attention_heads ({cfg.num_attention_heads}) is not a multiple of num_key_value_heads "
+                         f"({cfg.num_key_value_heads})", file=source)
+    if not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
+        raise InputError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) is not in 1..{cfg.num_experts}", file=source)
+    if cfg.n_group < 1 or cfg.num_experts % cfg.n_group or not 0 < cfg.topk_group <= cfg.n_group:
+        raise InputError(f"n_group {cfg.n_group} / topk_group {cfg.topk_group} do not divide {cfg.num_experts} experts",
+                         file=source)
+    if cfg.model_type == "glm4_moe" and cfg.shared_intermediate_size <= 0:
+        raise InputError("glm4_moe needs n_shared_experts >= 1 (transformers always builds the shared expert)",
+                         file=source)
+
+
+def _mlp_shapes(shapes: dict, prefix: str, leaves: tuple[str, str, str], hidden: int, inter: int) -> None:
+    gate, up, down = leaves
+    shapes[f"{prefix}{gate}.weight"] = (inter, hidden)
+    shapes[f"{prefix}{up}.weight"] = (inter, hidden)
+    shapes[f"{prefix}{down}.weight"] = (hidden, inter)
+
+
+def hf_tensor_shapes(cfg: MoeConfig, *, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of this config holds (weights and biases, no FP8 scales)."""
+    f, h, d = cfg.flavor, cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    n_layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
+    for layer in range(n_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        attention_shapes(shapes, p, h, q, kv, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
+        if cfg.qk_norm != "none":
+            shapes[p + "self_attn.q_norm.weight"] = (d if cfg.qk_norm == "head" else q,)
+            shapes[p + "self_attn.k_norm.weight"] = (d if cfg.qk_norm == "head" else kv,)
+        if layer >= cfg.num_hidden_layers or cfg.moe_layers[layer]:
+            b = f"{p}{f.block}."
+            shapes[b + "gate.weight"] = (cfg.num_experts, h)
+            if f.correction_bias:
+                shapes[b + f.correction_bias] = (cfg.num_experts,)
+            for e in range(cfg.num_experts):
+                _mlp_shapes(shapes, f"{b}experts.{e}.", f.expert_leaves, h, cfg.expert_intermediate_size)
+            if f.shared:
+                _mlp_shapes(shapes, f"{p}mlp.{f.shared}.", _QWEN, h, cfg.shared_intermediate_size)
+            if f.shared_gate:
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+        else:
+            _mlp_shapes(shapes, p + "mlp.", _QWEN, h, cfg.intermediate_size)
+        if layer >= cfg.num_hidden_layers:
+            shapes.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
+                           p + "embed_tokens.weight": (cfg.vocab_size, h), p + "shared_head.norm.weight": (h,),
+                           p + "shared_head.head.weight": (cfg.vocab_size, h)})
+    return shapes
+
+
+def is_mtp_tensor(cfg: MoeConfig, hf_name: str) -> bool:
+    layer = layer_index(hf_name)
+    return layer is not None and layer >= cfg.num_hidden_layers
+
+
+def check_mp(cfg: MoeConfig, mp: int) -> None:
+    """Query heads split evenly, KV heads split or replicate (not when a norm spans all KV heads), and
+    experts, the vocabulary and the dense and shared MLP widths divide."""
+    for split in (Q_HEADS, KV_HEADS):
+        heads = getattr(cfg, split.count)
+        problem = split.ranges(heads * cfg.head_dim, heads, mp)
+        if isinstance(problem, str):
+            raise PlanError(problem, file="config.json", fix=f"choose an --mp that fits {split.count}")
+    if cfg.qk_norm == "full" and cfg.num_key_value_heads % mp:
+        raise PlanError(f"{cfg.model_type}'s k norm spans all {cfg.num_key_value_heads} KV heads, which mp={mp} would "
+                        "replicate", file="config.json", fix="choose an --mp that divides num_key_value_heads")
+    sizes = [("num_experts", cfg.num_experts), ("vocab_size", cfg.vocab_size)]
+    if not all(cfg.moe_layers):
+        sizes.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.shared_intermediate_size:
+        sizes.append(("shared expert width", cfg.shared_intermediate_size))
+    for what, size in sizes:
+        if size % mp:
+            raise PlanError(f"{what} ({size}) is not divisible by mp={mp}", file="config.json",
+                            fix=f"choose an --mp that divides {size}")

@@ -1,0 +1,57 @@
+"""verify's MoE loaders: an mp shard (mp names as they are; kept MTP layers skipped and counted), a
+whole HF checkpoint at mp=1 through the model type's key table, and the comparison of every loaded
+weight with its slice of a reference HF checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ckpttool.families.base import Verifier, layer_index, rank_slice
+from ckpttool.families.moe.model import MoeArgs, MoeTransformer
+from ckpttool.families.moe.spec import KEY_MAPS, hf_tensor_shapes
+from ckpttool.io.checkpoint import Checkpoint
+from ckpttool.model.loading import check_tensors, load_mp_shard, reference_differences
+from ckpttool.model.parallel import ParallelContext
+
+
+def _source(model: MoeTransformer, ctx: ParallelContext):
+    cfg = model.args.cfg
+    keys, shapes = KEY_MAPS[cfg.model_type], hf_tensor_shapes(cfg, with_mtp=False)
+    return lambda native, _=None: rank_slice(keys, native, shapes, cfg, ctx.rank, ctx.world_size)
+
+
+def load_shard(model: MoeTransformer, path: Path) -> int:
+    n_layers = model.args.n_layers
+
+    def is_mtp(native: str) -> bool:
+        parts = native.split(".")
+        return len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= n_layers
+
+    return load_mp_shard(model, path, skip=is_mtp)
+
+
+def load_hf(model: MoeTransformer, directory: Path, n_layers: int = 0) -> None:
+    """A whole HF checkpoint into an mp=1 model, strictly; MTP layers (>= num_hidden_layers) skipped."""
+    source = _source(model, ParallelContext())
+    with Checkpoint(directory) as ckpt:
+        params = dict(model.named_parameters())
+        names = {source(n)[0]: n for n in params}
+        found = {names.get(hf, hf): (hf, src.info) for hf, src in ckpt.tensors.items()
+                 if (layer_index(hf) or 0) < model.args.n_layers}
+        check_tensors(params, found, directory)
+        for hf, name in names.items():
+            params[name].data.copy_(ckpt.read(hf))
+
+
+def weight_differences(model: MoeTransformer, ctx: ParallelContext, reference: Path, n_layers: int,
+                       shard: Path) -> list[str]:
+    return reference_differences(model, reference, shard, _source(model, ctx))
+
+
+VERIFIER = Verifier(
+    load_args=MoeArgs.from_hf_config,
+    build=lambda args, ctx, dtype, attn: MoeTransformer(args, ctx, dtype=dtype),
+    load_shard=load_shard,
+    load_hf=load_hf,
+    weight_differences=weight_differences,
+)

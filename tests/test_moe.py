@@ -1,0 +1,151 @@
+"""MoE families with Llama-style attention (qwen2_moe, qwen3_moe, mixtral, olmoe, glm4_moe, minimax_m2):
+inspect, plan, shard --mp N, merge back byte-identical, and verify giving transformers' own greedy tokens.
+
+Inputs are tiny checkpoints saved by transformers 5 itself, with non-trivial norms, biases and router
+correction biases; the oracle is transformers' generate() on them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import load_dir, run_cli
+from dense_models import NEW_TOKENS, PROMPT, build_hf, greedy_oracle
+
+from ckpttool.families.moe import spec
+from ckpttool.verify.run import run_verify
+
+transformers = pytest.importorskip("transformers")
+
+_BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=64,
+             tie_word_embeddings=False)
+# Each tiny model differs where its family differs: GQA against MHA, dense layers among MoE ones, shared
+# experts and their gate, sigmoid routing with a correction bias and expert groups, partial rotary,
+# q/k norms per head and across all heads, qkv biases, clip_qkv, a non-default rope_theta.
+TINY = {
+    "qwen3_moe": dict(cls="Qwen3MoeForCausalLM", config="Qwen3MoeConfig", num_key_value_heads=2, head_dim=32,
+                      intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True, mlp_only_layers=[1], rope_parameters={"rope_type": "default",
+                                                                               "rope_theta": 1234567.0}),
+    "qwen2_moe": dict(cls="Qwen2MoeForCausalLM", config="Qwen2MoeConfig", num_key_value_heads=2,
+                      intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(cls="MixtralForCausalLM", config="MixtralConfig", num_key_value_heads=2, intermediate_size=32,
+                    num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(cls="OlmoeForCausalLM", config="OlmoeConfig", num_key_value_heads=4, intermediate_size=32,
+                  num_experts=4, num_experts_per_tok=2, clip_qkv=3.0),
+    "glm4_moe": dict(cls="Glm4MoeForCausalLM", config="Glm4MoeConfig", num_key_value_heads=2, head_dim=16,
+                     intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, use_qk_norm=True,
+                     attention_bias=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0),
+    "minimax_m2": dict(cls="MiniMaxM2ForCausalLM", config="MiniMaxM2Config", num_key_value_heads=2, head_dim=16,
+                       intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),
+}
+
+
+@pytest.fixture(scope="session")
+def moe_hf(tmp_path_factory) -> dict:
+    """model_type -> (HF dir, transformers' greedy ids, their logits), built once."""
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for model_type, extra in TINY.items():
+        hf = build_hf(model_type, root / model_type, spec={**_BASE, **extra})
+        out[model_type] = (hf, *greedy_oracle(hf))
+    return out
+
+
+def test_every_moe_type_has_a_tiny_model():
+    assert sorted(TINY) == sorted(spec.MODEL_TYPES)
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_config_defaults_are_the_transformers_class_defaults(model_type):
+    defaults = transformers.CONFIG_MAPPING[model_type]()
+    for field, value in spec.CONFIG_DEFAULTS[model_type].items():
+        assert getattr(defaults, field) == value, field
+    assert spec.FLAVORS[model_type].default_theta == defaults.rope_parameters["rope_theta"]
+    assert spec.PARTIAL_ROTARY_DEFAULT.get(model_type, 1.0) == defaults.rope_parameters.get("partial_rotary_factor", 1.0)
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_expected_shapes_are_what_transformers_saved(moe_hf, model_type):
+    hf = moe_hf[model_type][0]
+    saved = {k: tuple(v.shape) for k, v in load_file(str(hf / "model.safetensors")).items()}
+    cfg = spec.MoeConfig.from_dict(json.loads((hf / "config.json").read_text()))
+    assert spec.hf_tensor_shapes(cfg) == saved
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_shard_then_verify_gives_transformers_greedy_tokens(moe_hf, tmp_path, model_type, mp):
+    hf, ids, logits = moe_hf[model_type]
+    out = tmp_path / "mp"
+    run_cli("shard", hf, out, "--mp", mp, "--quiet")
+    report = run_verify(out, prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf,
+                        logits_path=tmp_path / "logits.safetensors")
+    assert report.ok, report.render(out)
+    assert report.generated_ids == ids
+    ours = load_file(str(tmp_path / "logits.safetensors"))["logits"]
+    assert (ours - logits).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_shard_mp4_then_merge_is_byte_identical_per_tensor(moe_hf, tmp_path, model_type):
+    hf = moe_hf[model_type][0]
+    mp = 4 if model_type not in ("glm4_moe", "qwen3_moe", "mixtral", "qwen2_moe", "minimax_m2") else 2
+    run_cli("shard", hf, tmp_path / "mp", "--mp", mp, "--quiet")
+    run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--quiet")
+    original, merged = load_file(str(hf / "model.safetensors")), load_dir(tmp_path / "hf")["model.safetensors"]
+    assert original.keys() == merged.keys()
+    for name, tensor in original.items():
+        assert tensor.dtype == merged[name].dtype and torch.equal(tensor, merged[name]), name
+
+
+def test_routed_experts_go_whole_to_their_rank_and_full_qk_norm_is_cut_on_heads(moe_hf, tmp_path):
+    hf = moe_hf["olmoe"][0]
+    run_cli("shard", hf, tmp_path / "mp", "--mp", 4, "--quiet")
+    src, shards = load_file(str(hf / "model.safetensors")), load_dir(tmp_path / "mp")
+    d = 64 // 4
+    for r in range(4):
+        s = shards[f"model{r}-mp4.safetensors"]
+        assert torch.equal(s[f"layers.0.feed_forward.experts.{r}.w1.weight"],
+                           src[f"model.layers.0.mlp.experts.{r}.gate_proj.weight"])
+        assert not any(f"experts.{e}." in n for n in s for e in range(4) if e != r)
+        assert torch.equal(s["layers.2.attention.q_norm.weight"], src["model.layers.2.self_attn.q_norm.weight"][r * d:(r + 1) * d])
+        assert torch.equal(s["layers.2.attention.k_norm.weight"], src["model.layers.2.self_attn.k_norm.weight"][r * d:(r + 1) * d])
+
+
+def test_mixtral_names_map_to_the_common_layout(moe_hf, tmp_path):
+    hf = moe_hf["minimax_m2"][0]
+    run_cli("shard", hf, tmp_path / "mp", "--mp", 2, "--quiet")
+    src, s = load_file(str(hf / "model.safetensors")), load_dir(tmp_path / "mp")["model1-mp2.safetensors"]
+    assert torch.equal(s["layers.1.feed_forward.experts.3.w3.weight"], src["model.layers.1.block_sparse_moe.experts.3.w3.weight"])
+    assert torch.equal(s["layers.1.feed_forward.gate.bias"], src["model.layers.1.block_sparse_moe.e_score_correction_bias"])
+    assert torch.equal(s["layers.1.feed_forward.gate.weight"], src["model.layers.1.block_sparse_moe.gate.weight"])
+
+
+def test_full_qk_norm_with_replicated_kv_heads_is_refused(moe_hf, tmp_path):
+    """MiniMax-M2's k norm spans both KV heads: at mp=4 each rank would hold one replicated head."""
+    proc = run_cli("shard", moe_hf["minimax_m2"][0], tmp_path / "out", "--mp", 4, "--quiet", check=False)
+    assert proc.returncode != 0
+    assert "k norm spans all 2 KV heads" in proc.stderr
+    assert not (tmp_path / "out" / "model0-mp4.safetensors").exists()
+
+
+def test_plan_and_inspect_read_moe_checkpoints(moe_hf, tmp_path):
+    hf = moe_hf["glm4_moe"][0]
+    plan = json.loads(run_cli("plan", hf, "--mp", 2, "--json").stdout)
+    assert [f["name"] for f in plan["files"]] == ["model0-mp2.safetensors", "model1-mp2.safetensors"]
+    described = run_cli("inspect", hf).stdout
+    assert "glm4_moe" in described or "tensors" in described
+
+
+def test_conflicting_expert_counts_are_refused(moe_hf, tmp_path):
+    raw = json.loads((moe_hf["qwen3_moe"][0] / "config.json").read_text())
+    raw["num_experts"] = raw["num_local_experts"] + 1
+    with pytest.raises(Exception, match="expert count twice"):
+        spec.MoeConfig.from_dict(raw)
