@@ -11,10 +11,11 @@ import math
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ckpttool.families.deepseek.args import ModelArgs, yarn_mscale
+from ckpttool.model.decoder import FeedForward
+from ckpttool.model.moe import MoE, Routing
 from ckpttool.model.norms import RMSNorm
 from ckpttool.model.parallel import ColumnParallelLinear, Linear, ParallelContext, ParallelEmbedding, RowParallelLinear
 
@@ -136,93 +137,13 @@ class MLA(nn.Module):
 
 
 # -- feed-forward ------------------------------------------------------------------------------------
-class MLP(nn.Module):
-    """SwiGLU, tensor-parallel: w1/w3 by column, w2 by row."""
-
-    def __init__(self, ctx: ParallelContext, dim: int, inter_dim: int, dtype: torch.dtype, fp8: bool):
-        super().__init__()
-        self.w1 = ColumnParallelLinear(ctx, dim, inter_dim, dtype, fp8, what="intermediate_size")
-        self.w2 = RowParallelLinear(ctx, inter_dim, dim, dtype, fp8, what="intermediate_size")
-        self.w3 = ColumnParallelLinear(ctx, dim, inter_dim, dtype, fp8, what="intermediate_size")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Expert(nn.Module):
-    """One routed expert: whole (unsplit) SwiGLU weights on the rank that owns it."""
-
-    def __init__(self, dim: int, inter_dim: int, dtype: torch.dtype, fp8: bool):
-        super().__init__()
-        self.w1 = Linear(dim, inter_dim, dtype, fp8)
-        self.w2 = Linear(inter_dim, dim, dtype, fp8)
-        self.w3 = Linear(dim, inter_dim, dtype, fp8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Gate(nn.Module):
-    """Router, in float32: score, optional correction bias and group limit for the choice, top-k;
-    the weights come from the unbiased scores."""
-
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
-        super().__init__()
-        self.args = args
-        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=dtype), requires_grad=False)
-        if args.correction_bias:
-            self.bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32), requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a = self.args
-        logits = F.linear(x.float(), self.weight.float())  # [N, n_routed_experts]
-        scores = logits.softmax(dim=-1) if a.score_func == "softmax" else logits.sigmoid()
-        choice = scores if self.bias is None else scores + self.bias
-        if a.n_expert_groups > 1:
-            grouped = choice.view(x.shape[0], a.n_expert_groups, -1)  # [N, G, experts per group]
-            if a.group_score == "top2_sum":
-                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            else:
-                group_scores = grouped.amax(dim=-1)
-            kept = group_scores.topk(a.n_limited_groups, dim=-1).indices
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
-        indices = choice.topk(a.n_activated_experts, dim=-1).indices  # [N, k]
-        weights = scores.gather(1, indices)
-        if a.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return (weights * a.route_scale).to(x.dtype), indices
-
-
-class MoE(nn.Module):
-    """Routed experts split by contiguous ranges across ranks (expert parallel) plus shared experts
-    (tensor parallel); the routed partial sums are all-reduced."""
-
-    def __init__(self, args: ModelArgs, ctx: ParallelContext, dtype: torch.dtype):
-        super().__init__()
-        self.ctx = ctx
-        n_local = ctx.split(args.n_routed_experts, "n_routed_experts")
-        self.first_expert = ctx.rank * n_local
-        self.gate = Gate(args, dtype)
-        self.experts = nn.ModuleDict({str(e): Expert(args.dim, args.moe_inter_dim, dtype, args.fp8)
-                                      for e in range(self.first_expert, self.first_expert + n_local)})
-        self.shared_experts = (MLP(ctx, args.dim, args.n_shared_experts * args.moe_inter_dim, dtype, args.fp8)
-                               if args.n_shared_experts else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # [N, dim]
-        weights, indices = self.gate(flat)
-        y = torch.zeros_like(flat)
-        for name, expert in self.experts.items():
-            token, slot = torch.where(indices == int(name))
-            if token.numel():
-                y.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
-        y = self.ctx.all_reduce(y)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
-        return y.view_as(x)
+def routing(args: ModelArgs) -> Routing:
+    """The router of ModelArgs: V2's softmax greedy or group-limited (max) top-k, V3's noaux_tc (sigmoid,
+    correction bias, top-2-sum groups)."""
+    return Routing(experts=args.n_routed_experts, top_k=args.n_activated_experts, scoring=args.score_func,
+                   correction_bias=args.correction_bias, groups=args.n_expert_groups,
+                   topk_groups=args.n_limited_groups, group_score="max" if args.group_score == "max" else "top2_sum",
+                   normalize=args.norm_topk_prob, scale=args.route_scale)
 
 
 # -- the model ---------------------------------------------------------------------------------------
@@ -232,7 +153,9 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
         self.attn = MLA(args, ctx, dtype, attn_impl)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
-        self.ffn = MoE(args, ctx, dtype) if args.moe_layers[layer] else MLP(ctx, args.dim, args.inter_dim, dtype, args.fp8)
+        self.ffn = (MoE(routing(args), args.dim, args.moe_inter_dim, ctx, dtype, args.fp8,
+                        shared_inter=args.n_shared_experts * args.moe_inter_dim) if args.moe_layers[layer]
+                    else FeedForward(args.dim, args.inter_dim, dtype, args.fp8, ctx=ctx))
 
     def forward(self, x: torch.Tensor, start_pos: int, freqs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), start_pos, freqs, mask)
