@@ -149,3 +149,44 @@ def test_conflicting_expert_counts_are_refused(moe_hf, tmp_path):
     raw["num_experts"] = raw["num_local_experts"] + 1
     with pytest.raises(Exception, match="expert count twice"):
         spec.MoeConfig.from_dict(raw)
+
+
+def _with_mtp_layer(hf, dst):
+    """GLM-4.5 as published: one MTP layer after the main ones (transformers neither builds nor saves it),
+    a full MoE layer plus DeepSeek-style enorm/hnorm/eh_proj/embed_tokens/shared_head."""
+    import shutil
+
+    shutil.copytree(hf, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(dst / "model.safetensors"))
+    cfg = spec.MoeConfig.from_dict(config)
+    torch.manual_seed(3)
+    for name, shape in spec.hf_tensor_shapes(cfg).items():
+        if spec.is_mtp_tensor(cfg, name):
+            tensors[name] = torch.randn(shape).to(torch.bfloat16)
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_glm_mtp_layer_is_dropped_by_default_and_kept_shards_verify(moe_hf, tmp_path):
+    hf, ids, _ = moe_hf["glm4_moe"]
+    src = _with_mtp_layer(hf, tmp_path / "glm_mtp")
+    run_cli("shard", src, tmp_path / "dropped", "--mp", 2, "--quiet")
+    assert json.loads((tmp_path / "dropped" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert not any(n.startswith("layers.3.") for n in load_dir(tmp_path / "dropped")["model0-mp2.safetensors"])
+
+    run_cli("shard", src, tmp_path / "kept", "--mp", 2, "--keep-mtp", "--quiet")
+    kept = load_dir(tmp_path / "kept")["model1-mp2.safetensors"]
+    assert "layers.3.eh_proj.weight" in kept and "layers.3.feed_forward.experts.7.w2.weight" in kept
+    report = run_verify(tmp_path / "kept", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=src)
+    assert report.ok, report.render(tmp_path / "kept")
+    assert report.generated_ids == ids
+    assert "MTP tensor(s) on rank 0 skipped" in report.render(tmp_path / "kept")
+
+    run_cli("merge", tmp_path / "kept", tmp_path / "merged", "--quiet")
+    original, merged = load_file(str(src / "model.safetensors")), load_dir(tmp_path / "merged")["model.safetensors"]
+    assert original.keys() == merged.keys() and all(torch.equal(original[n], merged[n]) for n in original)
