@@ -27,7 +27,8 @@ PROMPT = [3, 17, 42, 7]
 NEW = 5
 
 
-@pytest.mark.parametrize("model_type, cls", [("deepseek_v2", "DeepseekV2Config"), ("deepseek_v3", "DeepseekV3Config")])
+@pytest.mark.parametrize("model_type, cls", [("deepseek_v2", "DeepseekV2Config"), ("deepseek_v3", "DeepseekV3Config"),
+                                             ("deepseek_v32", "DeepseekV32Config")])
 def test_deepseek_defaults_are_transformers_defaults(model_type, cls):
     theirs = getattr(transformers, cls)()
     compared = [k for k in CONFIG_DEFAULTS[model_type] if hasattr(theirs, k)]

@@ -5,10 +5,14 @@ to exactly the block formula, with the quantization section gone from the output
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
+from ckpttool.errors import CkptError
 from ckpttool.families.deepseek.demo import build_checkpoint
 from ckpttool.verify.run import run_verify
 from conftest import load_dir, run_cli
@@ -47,3 +51,55 @@ def test_v31_ue8m0_scale_format_dequantizes_to_the_block_formula(tmp_path):
     run_cli("convert", src, tmp_path / "mp", "--mp", 2, "--quiet")
     report = run_verify(tmp_path / "mp", reference=src, prompt_ids=[0, 5, 9], max_new_tokens=3)
     assert report.ok, report.render("v3.1")
+
+
+def _tiny_v32(dst: Path, *, index_topk: int = 64) -> Path:
+    """A DeepseekV32ForCausalLM that transformers builds and saves: V3 plus the indexer, non-trivial norms,
+    LayerNorm bias and router bias; index_topk above prompt + generation unless said otherwise."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV32Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=128, routed_scaling_factor=2.5,
+        index_n_heads=2, index_head_dim=16, index_topk=index_topk,
+        rope_parameters={"rope_theta": 40000.0, "rope_type": "default"}, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(5)
+    model = transformers.DeepseekV32ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.08) + (1.0 if name.endswith("norm.weight") else 0.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand_like(b) * 0.5)
+    model.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_v32_indexer_is_replicated_and_verifies_against_transformers(tmp_path, mp):
+    """The indexer's wq_b is whole on every rank while MLA's wq_b is cut; verify loads and checks every
+    indexer tensor and, for a sequence shorter than index_topk, gives transformers' DeepseekV32 tokens."""
+    src = _tiny_v32(tmp_path / "v32")
+    run_cli("shard", src, tmp_path / "mp", "--mp", mp, "--quiet")
+    ref = load_file(str(src / "model.safetensors"))
+    for r in range(mp):
+        shard = load_file(str(tmp_path / "mp" / f"model{r}-mp{mp}.safetensors"))
+        assert torch.equal(shard["layers.1.attn.indexer.wq_b.weight"], ref["model.layers.1.self_attn.indexer.wq_b.weight"])
+        assert torch.equal(shard["layers.1.attn.indexer.k_norm.bias"], ref["model.layers.1.self_attn.indexer.k_norm.bias"])
+        assert shard["layers.1.attn.wq_b.weight"].shape[0] == ref["model.layers.1.self_attn.q_b_proj.weight"].shape[0] // mp
+    report = run_verify(tmp_path / "mp", prompt_ids=[3, 17, 42, 99, 7, 150], max_new_tokens=6, device="cpu",
+                        reference=src)
+    assert report.ok, report.render(tmp_path / "mp")
+    assert "DeepseekV32ForCausalLM" in report.render(tmp_path / "mp")
+    run_cli("merge", tmp_path / "mp", tmp_path / "merged", "--quiet")
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert merged.keys() == ref.keys() and all(torch.equal(ref[n], merged[n]) for n in ref)
+
+
+def test_v32_sequences_longer_than_index_topk_are_refused_by_verify(tmp_path):
+    """Beyond index_topk the indexer would drop keys; verify's model, which runs dense attention, says so."""
+    src = _tiny_v32(tmp_path / "v32", index_topk=8)
+    run_cli("shard", src, tmp_path / "mp", "--mp", 1, "--quiet")
+    with pytest.raises(CkptError, match="exceed DeepSeek-V3.2's index_topk"):
+        run_verify(tmp_path / "mp", prompt_ids=[3, 17, 42, 99, 7, 150], max_new_tokens=6, device="cpu")

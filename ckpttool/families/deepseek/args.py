@@ -69,6 +69,11 @@ class ModelArgs:
     norm_eps: float
     fp8: bool  # linear weights are FP8 e4m3 with 128x128 block scales
     eos_token_ids: tuple[int, ...]
+    # DeepSeek-V3.2's indexer (0 heads: none). Its weights are loaded and checked; attention runs dense,
+    # which is what the sparse attention computes while a sequence is no longer than index_topk.
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -99,6 +104,9 @@ class ModelArgs:
                              f"scoring_func={score_func!r}, norm_topk_prob={raw.get('norm_topk_prob')!r}", file=source,
                              fix="DeepSeek-V2 routes softmax scores, greedy or group_limited_greedy, without "
                                  "renormalising (as transformers' DeepseekV2); check config.json")
+        if cfg.model_type == "deepseek_v32" and (raw.get("attention_bias") or not cfg.q_lora_rank):
+            raise InputError("DeepSeek-V3.2 with attention_bias or without q_lora_rank is not supported", file=source,
+                             fix="ckpttool's model implements the published V3.2 attention (q_lora_rank, no biases)")
         group_score = {"noaux_tc": "top2_sum", "group_limited_greedy": "max", "greedy": "none"}[topk_method]
         with config_fields(source):
             n_groups = int(raw.get("n_group") or 1) if group_score != "none" else 1
@@ -133,6 +141,9 @@ class ModelArgs:
             norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             fp8=declares_fp8_block(raw.get("quantization_config"), source),
             eos_token_ids=eos_ids(raw),
+            index_n_heads=cfg.index_n_heads,
+            index_head_dim=cfg.index_head_dim,
+            index_topk=int(raw["index_topk"]) if cfg.index_n_heads else 0,
         )
 
 

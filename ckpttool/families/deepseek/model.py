@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ckpttool.errors import InputError
 from ckpttool.families.deepseek.args import ModelArgs, yarn_mscale
 from ckpttool.model.decoder import FeedForward
 from ckpttool.model.moe import MoE, Routing
@@ -67,6 +68,21 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, interleave: bool) -> torch.
 
 
 # -- attention ---------------------------------------------------------------------------------------
+class Indexer(nn.Module):
+    """DeepSeek-V3.2's sparse-attention indexer, replicated on every rank. verify loads and checks its
+    weights but does not run it: it picks the index_topk best keys for each query, so for sequences no
+    longer than index_topk (what verify generates; the model refuses longer ones) sparse attention
+    attends to every key and equals the dense attention MLA computes."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        self.wq_b = Linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim, dtype, args.fp8)
+        self.wk = Linear(args.dim, args.index_head_dim, dtype, args.fp8)
+        self.k_norm = nn.LayerNorm(args.index_head_dim, eps=1e-6, dtype=dtype)
+        self.k_norm.requires_grad_(False)
+        self.weights_proj = Linear(args.dim, args.index_n_heads, dtype)
+
+
 class MLA(nn.Module):
     """Multi-head latent attention. `absorb` caches the normalised latent (kv_lora_rank per token) and
     folds wkv_b into q and the output; `naive` expands keys/values per head and caches those."""
@@ -88,6 +104,8 @@ class MLA(nn.Module):
                                           args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), dtype, args.fp8)
         self.wo = RowParallelLinear(ctx, args.n_heads * args.v_head_dim, args.dim, dtype, args.fp8)
         self.softmax_scale = args.softmax_scale
+        if args.index_n_heads:
+            self.indexer = Indexer(args, dtype)
 
     def setup_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
         a, h = self.args, self.n_local_heads
@@ -178,6 +196,10 @@ class Transformer(nn.Module):
     def setup_caches(self, batch: int, max_seq_len: int) -> None:
         """Allocate KV caches and rope frequencies; call after loading weights, before forward."""
         device = self.embed.weight.device
+        if self.args.index_topk and max_seq_len > self.args.index_topk:
+            raise InputError(f"{max_seq_len} positions exceed DeepSeek-V3.2's index_topk ({self.args.index_topk}): "
+                             "verify's model runs dense attention, equal to the sparse one only up to index_topk",
+                             fix=f"verify with a prompt plus --max-new-tokens of at most {self.args.index_topk} tokens")
         self.max_seq_len = max_seq_len
         self.register_buffer("freqs", rope_frequencies(self.args, max_seq_len).to(device), persistent=False)
         for block in self.layers:

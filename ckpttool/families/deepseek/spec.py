@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from ckpttool.families.base import config_fields, layer_index
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
-from ckpttool.errors import PlanError
+from ckpttool.errors import InputError, PlanError
 
-MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-V3_ARCHITECTURE = ("deepseek_v3", "kimi_k2")
+MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
+V3_ARCHITECTURE = ("deepseek_v3", "deepseek_v32", "kimi_k2")
 """model types with DeepSeek-V3's router: sigmoid scores, e_score_correction_bias, grouped top-k (noaux_tc)"""
 
 _SHARED_DEFAULTS = {
@@ -40,6 +40,11 @@ CONFIG_DEFAULTS: dict[str, dict] = {
 their models do: V2 routes softmax greedy or group-limited, V3 noaux_tc over sigmoid). Kimi-K2 is the V3
 architecture under its own model_type. tests/test_config_reading.py holds these to the installed classes."""
 CONFIG_DEFAULTS["kimi_k2"] = CONFIG_DEFAULTS["deepseek_v3"]
+CONFIG_DEFAULTS["deepseek_v32"] = {**CONFIG_DEFAULTS["deepseek_v3"], "num_nextn_predict_layers": 0,
+                                   "max_position_embeddings": 163840, "index_topk": 2048, "index_head_dim": 128,
+                                   "index_n_heads": 64, "attention_bias": False}
+"""DeepSeek-V3.2 (transformers' DeepseekV32Config): V3 plus the sparse-attention indexer; the class has no
+MTP field (published configs state num_nextn_predict_layers) and reads `mlp_layer_types` if given."""
 
 
 def with_defaults(raw: dict) -> dict:
@@ -55,6 +60,12 @@ _ATTN = [
     ("self_attn.kv_a_layernorm.weight", "attn.kv_norm.weight", None),
     ("self_attn.kv_b_proj.weight", "attn.wkv_b.weight", 0, LINEAR),
     ("self_attn.o_proj.weight", "attn.wo.weight", 1, LINEAR),
+    # DeepSeek-V3.2's indexer: replicated on every rank (its wq_b is not MLA's wq_b, which is split)
+    ("self_attn.indexer.wq_b.weight", "attn.indexer.wq_b.weight", None, LINEAR),
+    ("self_attn.indexer.wk.weight", "attn.indexer.wk.weight", None, LINEAR),
+    ("self_attn.indexer.k_norm.weight", "attn.indexer.k_norm.weight", None),
+    ("self_attn.indexer.k_norm.bias", "attn.indexer.k_norm.bias", None),
+    ("self_attn.indexer.weights_proj.weight", "attn.indexer.weights_proj.weight", None),
 ]
 _MLP = [("gate_proj.weight", "w1.weight", 0, LINEAR), ("down_proj.weight", "w2.weight", 1, LINEAR),
         ("up_proj.weight", "w3.weight", 0, LINEAR)]
@@ -118,6 +129,9 @@ class DeepseekConfig:
     num_nextn_predict_layers: int
     has_correction_bias: bool
     tie_word_embeddings: bool
+    index_n_heads: int = 0  # DeepSeek-V3.2's indexer; 0: none
+    index_head_dim: int = 0
+    mlp_layer_types: tuple[str, ...] | None = None  # V3.2: "dense" / "sparse" per layer, when given
 
     @classmethod
     def from_dict(cls, raw: dict, source: object = "config.json") -> "DeepseekConfig":
@@ -145,9 +159,14 @@ class DeepseekConfig:
                 num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", 0)),
                 has_correction_bias=model_type in V3_ARCHITECTURE or raw.get("topk_method") == "noaux_tc",
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                index_n_heads=int(raw["index_n_heads"]) if model_type == "deepseek_v32" else 0,
+                index_head_dim=int(raw["index_head_dim"]) if model_type == "deepseek_v32" else 0,
+                mlp_layer_types=_mlp_layer_types(raw, source) if model_type == "deepseek_v32" else None,
             )
 
     def is_moe_layer(self, layer: int) -> bool:
+        if self.mlp_layer_types is not None and layer < len(self.mlp_layer_types):
+            return self.mlp_layer_types[layer] == "sparse"
         return (
             self.n_routed_experts > 0
             and layer >= self.first_k_dense_replace
@@ -156,6 +175,16 @@ class DeepseekConfig:
 
     def is_mtp_layer(self, layer: int) -> bool:
         return layer >= self.num_hidden_layers
+
+
+def _mlp_layer_types(raw: dict, source: object) -> tuple[str, ...] | None:
+    types = raw.get("mlp_layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != int(raw["num_hidden_layers"]) or set(types) - {"dense", "sparse"}:
+        raise InputError(f"mlp_layer_types {types!r} is not one of 'dense' / 'sparse' per layer", file=source,
+                        fix="use the config.json published with the checkpoint")
+    return tuple(types)
 
 
 def hf_tensor_shapes(cfg: DeepseekConfig, *, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:
@@ -183,6 +212,13 @@ def hf_tensor_shapes(cfg: DeepseekConfig, *, with_mtp: bool = True) -> dict[str,
         shapes[p + "self_attn.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
         shapes[p + "self_attn.kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
         shapes[p + "self_attn.o_proj.weight"] = (h, heads * cfg.v_head_dim)
+        if cfg.index_n_heads:
+            d = cfg.index_head_dim
+            shapes[p + "self_attn.indexer.wq_b.weight"] = (cfg.index_n_heads * d, cfg.q_lora_rank)
+            shapes[p + "self_attn.indexer.wk.weight"] = (d, h)
+            shapes[p + "self_attn.indexer.k_norm.weight"] = (d,)
+            shapes[p + "self_attn.indexer.k_norm.bias"] = (d,)
+            shapes[p + "self_attn.indexer.weights_proj.weight"] = (cfg.index_n_heads, h)
         if cfg.is_moe_layer(layer) or cfg.is_mtp_layer(layer):
             inter = cfg.moe_intermediate_size
             shapes[p + "mlp.gate.weight"] = (cfg.n_routed_experts, h)
