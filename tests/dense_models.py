@@ -64,3 +64,21 @@ def greedy_oracle(hf_dir: Path, prompt: list[int] = PROMPT, new_tokens: int = NE
 
 def config_of(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def stack_experts(tensors: dict[str, torch.Tensor], experts: int, block: str = "mlp",
+                  leaves: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), suffix: str = "weight",
+                  stacked_suffix: str = "") -> dict[str, torch.Tensor]:
+    """Per-expert tensors -> transformers 5's stacked form: `model.layers.L.mlp.experts.gate_up_proj`
+    [E, 2I, H] (each expert's gate rows, then its up rows) and `down_proj` [E, H, I]. `suffix` /
+    `stacked_suffix` pick the weights ("weight", "") or their FP8 scales ("weight_scale_inv", "_scale_inv")."""
+    gate, up, down = leaves
+    out = dict(tensors)
+    layers = sorted({int(n.split(".")[2]) for n in tensors if f".{block}.experts.0.{gate}.{suffix}" in n})
+    for layer in layers:
+        p = f"model.layers.{layer}.{block}.experts."
+        gate_up = [torch.cat([out.pop(f"{p}{e}.{gate}.{suffix}"), out.pop(f"{p}{e}.{up}.{suffix}")]) for e in range(experts)]
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj{stacked_suffix}"] = torch.stack(gate_up)
+        out[f"model.layers.{layer}.mlp.experts.down_proj{stacked_suffix}"] = torch.stack(
+            [out.pop(f"{p}{e}.{down}.{suffix}") for e in range(experts)])
+    return out

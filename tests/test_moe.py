@@ -192,3 +192,54 @@ def test_glm_mtp_layer_is_dropped_by_default_and_kept_shards_verify(moe_hf, tmp_
     run_cli("merge", tmp_path / "kept", tmp_path / "merged", "--quiet")
     original, merged = load_file(str(src / "model.safetensors")), load_dir(tmp_path / "merged")["model.safetensors"]
     assert original.keys() == merged.keys() and all(torch.equal(original[n], merged[n]) for n in original)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_stacked_experts_read_as_per_expert_and_verify(moe_hf, tmp_path, model_type):
+    """transformers 5's stacked experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]),
+    also for Mixtral whose per-expert names are `block_sparse_moe.experts.E.w1`: the shards are the
+    per-expert checkpoint's, and verify (against transformers on the stacked checkpoint) passes."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from dense_models import stack_experts
+
+    hf, ids, _ = moe_hf[model_type]
+    stacked = tmp_path / "stacked"
+    shutil.copytree(hf, stacked)
+    block, leaves = ("block_sparse_moe", ("w1", "w3", "w2")) if model_type == "mixtral" else ("mlp", spec._QWEN)
+    tensors = stack_experts(load_file(str(hf / "model.safetensors")), 4 if model_type == "mixtral" else 8, block, leaves)
+    assert "model.layers.2.mlp.experts.gate_up_proj" in tensors
+    save_file(tensors, str(stacked / "model.safetensors"), metadata={"format": "pt"})
+
+    plan = json.loads(run_cli("plan", stacked, "--mp", 2, "--json").stdout)
+    assert any("stacked expert tensors" in n for n in plan["notes"])
+    run_cli("shard", stacked, tmp_path / "from_stacked", "--mp", 2, "--quiet")
+    run_cli("shard", hf, tmp_path / "from_experts", "--mp", 2, "--quiet")
+    a, b = load_dir(tmp_path / "from_stacked"), load_dir(tmp_path / "from_experts")
+    assert a.keys() == b.keys()
+    for f in a:
+        assert a[f].keys() == b[f].keys() and all(torch.equal(a[f][n], b[f][n]) for n in a[f]), f
+    report = run_verify(tmp_path / "from_stacked", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu",
+                        reference=stacked)
+    assert report.ok, report.render(tmp_path / "from_stacked")
+    assert report.generated_ids == ids
+
+
+def test_stacked_experts_of_the_wrong_count_are_refused(moe_hf, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from dense_models import stack_experts
+
+    hf = moe_hf["qwen3_moe"][0]
+    shutil.copytree(hf, tmp_path / "bad")
+    tensors = stack_experts(load_file(str(hf / "model.safetensors")), 8)
+    tensors["model.layers.0.mlp.experts.down_proj"] = tensors["model.layers.0.mlp.experts.down_proj"][:7].clone()
+    save_file(tensors, str(tmp_path / "bad" / "model.safetensors"), metadata={"format": "pt"})
+    proc = run_cli("shard", tmp_path / "bad", tmp_path / "out", "--mp", 2, "--quiet", check=False)
+    assert proc.returncode != 0
+    assert "stacked expert tensor of shape [7, 64, 32] is not [8 experts" in proc.stderr
+    assert "model.layers.0.mlp.experts.down_proj" in proc.stderr

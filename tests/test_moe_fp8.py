@@ -105,3 +105,35 @@ def test_fp8_cut_off_block_boundaries_is_refused_and_bf16_output_works(qwen3_fp8
                         reference=qwen3_fp8)
     assert report.ok, report.render(tmp_path / "bf16")
     assert report.generated_ids == ids
+
+
+def test_stacked_fp8_experts_with_stacked_scales_dequant_and_shard_like_per_expert(qwen3_fp8, tmp_path):
+    """FP8 experts stacked as transformers 5 holds them, with `gate_up_proj_scale_inv` [E, 2I/128, H/128]
+    stacked alike: dequant gives the per-expert weights of the block formula, and FP8-kept shards equal
+    those of the per-expert checkpoint."""
+    import shutil
+
+    from dense_models import stack_experts
+
+    src = load_file(str(qwen3_fp8 / "model.safetensors"))
+    tensors = stack_experts(stack_experts(src, 4), 4, suffix="weight_scale_inv", stacked_suffix="_scale_inv")
+    assert tensors["model.layers.1.mlp.experts.gate_up_proj_scale_inv"].shape == (4, 2, 2)
+    stacked = tmp_path / "stacked"
+    shutil.copytree(qwen3_fp8, stacked)
+    save_file(tensors, str(stacked / "model.safetensors"), metadata={"format": "pt"})
+
+    run_cli("dequant", stacked, tmp_path / "bf16", "--quiet")
+    ours = load_dir(tmp_path / "bf16")["model.safetensors"]
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    assert torch.equal(ours[name], formula_dequant(src[name], src[name + "_scale_inv"]))
+    assert set(ours) == {n for n in src if not n.endswith("_scale_inv")}
+
+    run_cli("shard", stacked, tmp_path / "a", "--mp", 2, "--quiet")
+    run_cli("shard", qwen3_fp8, tmp_path / "b", "--mp", 2, "--quiet")
+    a, b = load_dir(tmp_path / "a"), load_dir(tmp_path / "b")
+    for f in b:
+        assert a[f].keys() == b[f].keys() and all(torch.equal(_bits(a[f][n]), _bits(b[f][n])) for n in b[f]), f
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

@@ -8,6 +8,7 @@ torch model verify runs), `weights.py` (loading shards or an HF checkpoint into 
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any, Callable
 
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.keymap import EXPERT, KeyMap
+from ckpttool.formats import FP8_SCALE, with_leaf
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,3 +220,46 @@ def config_fields(source: object):
     except (TypeError, ValueError) as exc:
         raise InputError(f"config.json has a field of the wrong type: {exc}", file=source,
                          fix="use the config.json published with the checkpoint") from None
+
+
+STACKED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv)?")
+"""transformers 5's expert tensors as its models hold them (and as some checkpoints are saved): one
+[E, 2I, H] `gate_up_proj` per layer (each expert's gate rows, then its up rows) and one [E, H, I]
+`down_proj`, with FP8 block scales `*_scale_inv` stacked the same way"""
+_STACKED_LEAVES = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}  # the native expert weights, in order
+
+
+def unstack_experts(ckpt, family: Family, cfg: Any = None) -> int:
+    """Read stacked expert tensors as the per-expert weights of the family's key table (each part is
+    a contiguous byte range of the stack, so nothing is copied); returns how many were split. A family
+    whose own table names the stacked tensors (gpt-oss) keeps them. `cfg`: the parsed config.json of
+    `ckpt`, parsed here when not given."""
+    if cfg is None:
+        cfg = family.parse_config(ckpt.config, ckpt.root / "config.json")
+    keys = family.keys(cfg)
+    per_expert = {r.native.split(".")[-2]: r.hf for r in keys.rows if r.split == EXPERT and r.companion is None}
+    n_experts, split = family.num_experts(cfg), 0
+    for name in sorted(ckpt.tensors):
+        match = STACKED_EXPERTS.fullmatch(name)
+        if match is None or keys.to_native(name) is not None:
+            continue
+        layer, kind, scale = match.groups()
+        leaves = _STACKED_LEAVES[kind]
+        src = ckpt.tensors[name]
+        shape = src.info.shape
+        if any(leaf not in per_expert for leaf in leaves) or len(shape) != 3 or shape[0] != n_experts \
+                or shape[1] % len(leaves):
+            raise InputError(f"stacked expert tensor of shape {list(shape)} is not [{n_experts} experts, "
+                             f"{len(leaves)} x rows, columns] of this {family.name} model" +
+                             (" (an FP8 scale block would straddle gate and up rows)" if scale else ""),
+                             file=ckpt.root / src.file, tensor=name,
+                             fix="check that config.json belongs to this checkpoint")
+        rows = shape[1] // len(leaves)
+        parts = []
+        for e in range(n_experts):
+            for leaf in leaves:
+                weight = per_expert[leaf].format(layer=int(layer), expert=e)
+                parts.append((with_leaf(weight, FP8_SCALE.hf_leaf) if scale else weight, (rows, shape[2])))
+        ckpt.split(name, parts)
+        split += 1
+    return split

@@ -11,6 +11,7 @@ absolute paths and odd names there are errors.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import stat
 import threading
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ckpttool.dtypes import itemsize
 from ckpttool.errors import InputError
 from ckpttool.io.layout import INDEX_NAME
 from ckpttool.io.safetensors import (
@@ -194,6 +196,31 @@ class Checkpoint(ShardFiles):
     def _load_config(self) -> dict:
         path = self.root / "config.json"
         return read_config(path) if os.path.lexists(path) else {}
+
+    def split(self, name: str, parts: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Read one tensor as consecutive parts of its bytes (C order), each under its own name and
+        shape, in place of the whole: how a stacked expert tensor ([E, 2I, H]) is read as per-expert
+        weights. The parts must cover the tensor exactly and their names be new."""
+        src = self.tensors[name]
+        offset, dtype = src.info.start, src.info.dtype
+        views = {}
+        for part, shape in parts:
+            if part in self.tensors or part in views:
+                raise InputError(f"checkpoint holds both a stacked tensor and {part!r}, which it also holds",
+                                 file=self.root / src.file, tensor=name,
+                                 fix="the checkpoint mixes stacked and per-expert layouts; re-download it")
+            end = offset + math.prod(shape) * itemsize(dtype)
+            views[part] = SourceTensor(src.file, TensorInfo(part, dtype, tuple(shape), offset, end))
+            offset = end
+        if offset != src.info.end:
+            raise InputError(f"the parts cover {offset - src.info.start} of its {src.info.nbytes} bytes",
+                             file=self.root / src.file, tensor=name)
+        del self.tensors[name]
+        self.tensors.update(views)
+
+    def info(self, fname: str, name: str) -> TensorInfo:
+        src = self.tensors.get(name)
+        return src.info if src is not None and src.file == fname else super().info(fname, name)
 
     # -- reading -----------------------------------------------------------------------------------
     def source(self, name: str) -> SourceTensor:

@@ -55,13 +55,15 @@ def load_mp_shard(model: nn.Module, path: Path, skip: Callable[[str], bool] | No
 
 def reference_differences(model: nn.Module, reference: Path, shard: Path,
                           source: Callable[[str, Checkpoint], tuple[str, tuple[int, int, int] | None]],
-                          limit: int = MAX_LISTED) -> list[str]:
+                          limit: int = MAX_LISTED, prepare: Callable[[Checkpoint], object] | None = None) -> list[str]:
     """Compare every loaded weight with its slice of the reference HF checkpoint, as dense values
     (FP8 dequantized on either side). A lossless conversion makes them equal; returns what differs,
     at most `limit` problems. `source(name, ckpt)` names the HF tensor a parameter comes from and the
-    (dim, start, length) of it this rank holds, or None for all of it."""
+    (dim, start, length) of it this rank holds, or None for all of it; `prepare(ckpt)` runs first."""
     problems = []
     with Checkpoint(reference) as ckpt:
+        if prepare is not None:  # e.g. read stacked experts per expert (families.base.unstack_experts)
+            prepare(ckpt)
         for module_name, module in model.named_modules():
             for param_name, param in module.named_parameters(recurse=False):
                 if param_name == "scale":

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ckpttool.dtypes import torch_installed
 from ckpttool.errors import InputError, PlanError
+from ckpttool.families.base import unstack_experts
 from ckpttool.families.table import family_for
 from ckpttool.formats import CKPTTOOL_QUANTIZATION, quantized_config
 from ckpttool.io.checkpoint import Checkpoint, ShardFiles
@@ -58,12 +59,13 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
                          f"{ckpt.config.get('model_type')!r}", file=config_path,
                          fix="use a recipe for this architecture, or --set arch=auto")
     cfg = family.parse_config(ckpt.config, config_path)
+    stacked = unstack_experts(ckpt, family, cfg)
 
     tensors = [TensorPlan(name, s.info.dtype, s.info.shape, source=name, file=s.file)
                for name, s in sorted(ckpt.tensors.items())]
     dequant_stage.check_scales(tensors, ckpt)
     _check_against_config(tensors, family, cfg, ckpt)
-    notes = []
+    notes = [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
 
     mtp = [t for t in tensors if family.is_mtp_tensor(cfg, t.name)]
     if mtp and not spec.keep_mtp:
