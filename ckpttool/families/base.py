@@ -229,16 +229,12 @@ STACKED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj
 _STACKED_LEAVES = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}  # the native expert weights, in order
 
 
-def unstack_experts(ckpt, family: Family, cfg: Any = None) -> int:
-    """Read stacked expert tensors as the per-expert weights of the family's key table (each part is
-    a contiguous byte range of the stack, so nothing is copied); returns how many were split. A family
-    whose own table names the stacked tensors (gpt-oss) keeps them. `cfg`: the parsed config.json of
-    `ckpt`, parsed here when not given."""
-    if cfg is None:
-        cfg = family.parse_config(ckpt.config, ckpt.root / "config.json")
-    keys = family.keys(cfg)
+def unstack_experts(ckpt, keys: KeyMap, n_experts: int) -> int:
+    """Read stacked expert tensors as the per-expert weights of a key table (each part is a
+    contiguous byte range of the stack, so nothing is copied); returns how many were split. A table
+    that names the stacked tensors itself (gpt-oss) keeps them."""
     per_expert = {r.native.split(".")[-2]: r.hf for r in keys.rows if r.split == EXPERT and r.companion is None}
-    n_experts, split = family.num_experts(cfg), 0
+    split = 0
     for name in sorted(ckpt.tensors):
         match = STACKED_EXPERTS.fullmatch(name)
         if match is None or keys.to_native(name) is not None:
@@ -250,7 +246,7 @@ def unstack_experts(ckpt, family: Family, cfg: Any = None) -> int:
         if any(leaf not in per_expert for leaf in leaves) or len(shape) != 3 or shape[0] != n_experts \
                 or shape[1] % len(leaves):
             raise InputError(f"stacked expert tensor of shape {list(shape)} is not [{n_experts} experts, "
-                             f"{len(leaves)} x rows, columns] of this {family.name} model" +
+                             f"{len(leaves)} x rows, columns] of the model config.json describes" +
                              (" (an FP8 scale block would straddle gate and up rows)" if scale else ""),
                              file=ckpt.root / src.file, tensor=name,
                              fix="check that config.json belongs to this checkpoint")

@@ -59,7 +59,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
                          f"{ckpt.config.get('model_type')!r}", file=config_path,
                          fix="use a recipe for this architecture, or --set arch=auto")
     cfg = family.parse_config(ckpt.config, config_path)
-    stacked = unstack_experts(ckpt, family, cfg)
+    stacked = unstack_experts(ckpt, family.keys(cfg), family.num_experts(cfg))
 
     tensors = [TensorPlan(name, s.info.dtype, s.info.shape, source=name, file=s.file)
                for name, s in sorted(ckpt.tensors.items())]

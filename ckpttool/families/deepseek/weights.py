@@ -9,7 +9,6 @@ from pathlib import Path
 from torch import nn
 
 from ckpttool.families.base import Verifier, layer_index, unstack_experts
-from ckpttool.families.deepseek import FAMILY
 from ckpttool.families.deepseek.args import ModelArgs
 from ckpttool.families.deepseek.model import Transformer
 from ckpttool.families.deepseek.spec import KEY_MAP
@@ -31,7 +30,7 @@ def hf_name_and_split(native: str) -> tuple[str, object]:
 def load_hf_checkpoint(model: nn.Module, directory: Path, n_layers: int) -> None:
     """Load a whole HF DeepSeek checkpoint into an mp=1 model; MTP layers (>= n_layers) are skipped."""
     with Checkpoint(directory) as ckpt:
-        unstack_experts(ckpt, FAMILY)
+        unstack_experts(ckpt, KEY_MAP, model.args.n_routed_experts)
         params = dict(model.named_parameters())
         wanted = {hf_name_and_split(name)[0]: name for name in params}
         available: dict[str, tuple[str, TensorInfo]] = {}
@@ -57,7 +56,7 @@ def weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, 
         return hf, (split, ctx.rank * part, part)
 
     return reference_differences(model, reference, shard, source, limit,
-                                 prepare=lambda ckpt: unstack_experts(ckpt, FAMILY))
+                                 prepare=lambda ckpt: unstack_experts(ckpt, KEY_MAP, model.args.n_routed_experts))
 
 
 def load_shard(model: Transformer, path: Path) -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpttool.families.base import Verifier, layer_index, rank_slice, unstack_experts
-from ckpttool.families.moe import FAMILY
 from ckpttool.families.moe.model import MoeArgs, MoeTransformer
 from ckpttool.families.moe.spec import KEY_MAPS, hf_tensor_shapes
 from ckpttool.io.checkpoint import Checkpoint
@@ -35,7 +34,7 @@ def load_hf(model: MoeTransformer, directory: Path, n_layers: int = 0) -> None:
     """A whole HF checkpoint into an mp=1 model, strictly; MTP layers (>= num_hidden_layers) skipped."""
     source = _source(model, ParallelContext())
     with Checkpoint(directory) as ckpt:
-        unstack_experts(ckpt, FAMILY)
+        unstack_experts(ckpt, KEY_MAPS[model.args.cfg.model_type], model.args.cfg.num_experts)
         params = dict(model.named_parameters())
         names = {source(n)[0]: n for n in params}
         found = {names.get(hf, hf): (hf, src.info) for hf, src in ckpt.tensors.items()
@@ -47,8 +46,9 @@ def load_hf(model: MoeTransformer, directory: Path, n_layers: int = 0) -> None:
 
 def weight_differences(model: MoeTransformer, ctx: ParallelContext, reference: Path, n_layers: int,
                        shard: Path) -> list[str]:
+    cfg = model.args.cfg
     return reference_differences(model, reference, shard, _source(model, ctx),
-                                 prepare=lambda ckpt: unstack_experts(ckpt, FAMILY))
+                                 prepare=lambda ckpt: unstack_experts(ckpt, KEY_MAPS[cfg.model_type], cfg.num_experts))
 
 
 VERIFIER = Verifier(
