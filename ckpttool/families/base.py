@@ -51,6 +51,21 @@ class HeadSplit:
         return ranges
 
 
+class ConfigArgs:
+    """Mixin of verify's args dataclasses that hold the parsed config as `cfg`: the vocabulary and
+    depth verify asks every family's args for."""
+
+    __slots__ = ()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.num_hidden_layers
+
+
 @dataclass(frozen=True, kw_only=True)
 class Verifier:
     """verify's side of a family (torch code, imported only when verify runs)."""

@@ -151,6 +151,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
 
 
+def kv_cache(module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """Zeroed `k_cache` and `v_cache` buffers [B, T, K, D] on an attention module (not saved)."""
+    module.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+    module.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+
 class Attention(nn.Module):
     def __init__(self, s: DecoderShape, ctx: ParallelContext, dtype: torch.dtype):
         super().__init__()
@@ -177,9 +183,7 @@ class Attention(nn.Module):
             self.k_norm = ParallelRMSNorm(self.n_kv_heads * d, s.kv_heads * d, s.norm_eps, dtype, ctx)
 
     def setup_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (batch, max_seq_len, self.n_kv_heads, self.head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        kv_cache(self, (batch, max_seq_len, self.n_kv_heads, self.head_dim), dtype, device)
 
     def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:

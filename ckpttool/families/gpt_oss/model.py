@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckpttool.families.gpt_oss.spec import GptOssConfig
+from ckpttool.model.decoder import kv_cache
 from ckpttool.model.parallel import ColumnParallelLinear, ParallelContext, ParallelEmbedding, RowParallelLinear
 
 
@@ -122,9 +123,7 @@ class Attention(nn.Module):
         self.sinks = _param(self.n_local_heads, dtype=dtype)
 
     def setup_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (batch, max_seq_len, self.n_local_kv_heads, self.head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        kv_cache(self, (batch, max_seq_len, self.n_local_kv_heads, self.head_dim), dtype, device)
 
     def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:

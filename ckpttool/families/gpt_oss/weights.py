@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ckpttool.errors import InputError
-from ckpttool.families.base import Verifier, eos_ids
+from ckpttool.families.base import ConfigArgs, Verifier, eos_ids
 from ckpttool.families.gpt_oss.model import Transformer
 from ckpttool.families.gpt_oss.spec import KEY_MAP, GptOssConfig, bf16_expert_shape, dequant_expert_weight
 from ckpttool.formats import MXFP4
@@ -30,19 +30,11 @@ Sources = dict[str, tuple[str, TensorInfo]]  # native name -> (name in the file,
 
 
 @dataclass(frozen=True, slots=True)
-class GptOssArgs:
+class GptOssArgs(ConfigArgs):
     """What verify asks of a config: the model config plus vocabulary, depth and end-of-sequence ids."""
 
     cfg: GptOssConfig
     eos_token_ids: tuple[int, ...]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def n_layers(self) -> int:
-        return self.cfg.num_hidden_layers
 
     @classmethod
     def from_hf_config(cls, raw: dict, source: object = "config.json") -> "GptOssArgs":

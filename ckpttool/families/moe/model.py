@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpttool.families.base import eos_ids, read_rope
+from ckpttool.families.base import ConfigArgs, eos_ids, read_rope
 from ckpttool.families.moe.spec import MoeConfig
 from ckpttool.formats import declares_fp8_block
 from ckpttool.model.decoder import ROPE_TYPES, Decoder, DecoderShape, FeedForward, rope_inv_freq, sliding_windows
@@ -20,19 +20,11 @@ from ckpttool.model.parallel import ParallelContext
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class MoeArgs:
+class MoeArgs(ConfigArgs):
     cfg: MoeConfig
     shape: DecoderShape
     routing: Routing
     eos_token_ids: tuple[int, ...]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def n_layers(self) -> int:
-        return self.cfg.num_hidden_layers
 
     @classmethod
     def from_hf_config(cls, raw: dict, source: object = "config.json") -> "MoeArgs":
