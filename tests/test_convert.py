@@ -114,11 +114,14 @@ def test_cpu_dequant_matches_formula_on_partial_blocks():
         assert torch.equal(ours.view(torch.int16), formula_dequant(w, s).view(torch.int16))
 
 
-def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype():
-    """The CPU kernel (numpy, bf16 rounded in integers) against torch doing the same IEEE steps:
-    fp32(code) * scale, one cast. Random codes cover subnormals and the largest values."""
+@pytest.mark.parametrize("numba", ["1", "0"])
+def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype(monkeypatch, numba):
+    """The CPU kernel (per-block tables, bf16 rounded in integers; the gather compiled by numba or
+    in numpy) against torch doing the same IEEE steps: fp32(code) * scale, one cast. Random codes
+    cover subnormals and the largest values; a NaN code is found in its row by either gather."""
     import numpy as np
 
+    monkeypatch.setenv("CKPTTOOL_NUMBA", numba)
     from ckpttool.dtypes import dtype_code
     from ckpttool.kernels import fp8_cpu
 
@@ -133,6 +136,10 @@ def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype
             ours = fp8_cpu.dequant(codes.numpy(), scale.numpy(), fmt, dtype_code(out))
             theirs = exact.to(out).view(carrier).numpy()
             assert np.array_equal(ours.view(theirs.dtype), theirs), (fmt, out)
+            bad = codes.numpy().copy()
+            bad[201, 259] = 0xFF  # NaN in both formats
+            with pytest.raises(fp8_cpu.NaNCodes, match=r"first in row 201\)"):
+                fp8_cpu.dequant(bad, scale.numpy(), fmt, dtype_code(out))
 
 
 def test_nan_codes_are_refused_naming_file_and_tensor(tiny_v3_no_mtp, tmp_path):
