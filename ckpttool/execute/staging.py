@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ckpttool import faults
 from ckpttool.errors import OutputError
-from ckpttool.io.hashing import PrefixHasher
+from ckpttool.io.hashing import ALGORITHM, PrefixHasher
 from ckpttool.io.safetensors import printable
 from ckpttool.io.layout import JOURNAL, PARTIAL_DIR, PLAN_FILE
 from ckpttool.plan.types import Plan
@@ -71,7 +71,7 @@ class Staging:
         self.fds: dict[str, int] = {}
         # each output file is hashed while it is written (its contiguous written prefix)
         self._hash_pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1, max(1, len(plan.files))),
-                                             thread_name_prefix="ckpttool-sha256")
+                                             thread_name_prefix="ckpttool-hash")
         self._hashers: dict[str, PrefixHasher] = {}
 
     def _check_resumable(self, plan_path: Path, inputs: dict | None) -> None:
@@ -164,7 +164,7 @@ class Staging:
         self.done.update(entries)
 
     def written(self, file: str, start: int, end: int) -> None:
-        """Bytes [start, end) of `file` hold their final contents (feeds the running sha256)."""
+        """Bytes [start, end) of `file` hold their final contents (feeds the running hash)."""
         hasher = self._hashers.get(file)
         if hasher is not None:
             hasher.written(start, end)
@@ -173,7 +173,7 @@ class Staging:
         """Wait for this process's running hashes and leave each beside its file, for whoever
         publishes (rank 0, or a later --resume: the bytes are deterministic, so a digest stays true)."""
         for name, hasher in self._hashers.items():
-            atomic_write(self.dir / f"{name}.sha256", hasher.result().encode())
+            atomic_write(self.dir / f"{name}.{ALGORITHM}", hasher.result().encode())
 
     def close_files(self) -> None:
         for fd in self.fds.values():
@@ -190,7 +190,7 @@ class Staging:
         """The running hashes left beside their files, by this or another rank's process."""
         digests = {}
         for f in self.plan.files:
-            saved = self.dir / f"{f.name}.sha256"
+            saved = self.dir / f"{f.name}.{ALGORITHM}"  # another hash's (an older version's) is redone
             if saved.exists():
                 digests[f.name] = saved.read_text().strip()
         return digests
