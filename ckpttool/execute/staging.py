@@ -143,11 +143,16 @@ class Staging:
                                                      timings=self.timings)
 
     def pwrite(self, file: str, data, offset: int) -> None:
+        """Write `data` (final bytes) at `offset`; the file's running hash takes it from memory when
+        it extends the hashed prefix."""
         try:
             faults.point("pwrite")
             pwrite_all(self.fds[file], data, offset)
         except OSError as exc:
             raise disk_error(exc, self.dir / file) from None
+        hasher = self._hashers.get(file)
+        if hasher is not None and hasher.offer(offset, data):
+            self.timings.count("hash_bytes_from_memory", memoryview(data).nbytes)
 
     def commit(self, entries: list[tuple[str, str]]) -> None:
         """Make written tensors durable, then record them: the journal never runs ahead of the data."""

@@ -87,6 +87,11 @@ class Task:
     def read_order(self) -> tuple[str, int]:
         return self.file, self.info.start
 
+    @property
+    def write_order(self) -> int:
+        """Where its first piece lands (mp files order their tensors alike)."""
+        return self.pieces[0][1].start
+
     def run(self, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
             chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
         return run_task(self, inputs, staging, gpu, chunk_bytes)
@@ -114,6 +119,10 @@ class GatherTask:
     @property
     def read_order(self) -> tuple[str, int]:
         return self.parts[0][0], self.parts[0][1].start
+
+    @property
+    def write_order(self) -> int:
+        return self.placed.start
 
     def chunk_rows(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
         shape = self.placed.tensor.shape

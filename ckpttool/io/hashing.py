@@ -1,8 +1,10 @@
 """The manifest's hash of an output file, computed while it is being written.
 
 Tensors land out of order, but roughly by ascending offset; each file's hasher consumes the
-contiguous written prefix as it grows (re-reading it from the page cache on a pool thread), so the
-manifest costs no second pass over the output at the end.
+contiguous written prefix as it grows, so the manifest costs no second pass over the output at the
+end. Bytes written right at the hashed prefix are hashed from the writer's buffer (`offer`); the
+rest is re-read from the page cache on a pool thread (on tmpfs that pread cost as much CPU as blake3
+itself: 2.2-2.5 GB/s re-read and hashed against 4.3 from memory).
 
 The hash is BLAKE3 (256-bit, the hex digest `b3sum FILE` prints): cryptographic like sha256, and on
 one core of the 2-core box 4.3 GB/s against sha256's 1.8 (OpenSSL with SHA-NI); xxh3-128 ran 28.5
@@ -73,6 +75,34 @@ class PrefixHasher:
                 self._frontier = max(self._frontier, heapq.heappop(self._ranges)[1])
         self._schedule()
 
+    def offer(self, start: int, data) -> bool:
+        """`data` was just written at `start`: hash it from memory if it extends the hashed prefix and
+        no other thread is hashing this file (else it is re-read later). Returns whether it was."""
+        with self._lock:
+            if self._running or start != self._hashed or self.error is not None:
+                return False
+            self._running = True
+        started = time.perf_counter()
+        try:
+            self._sha.update(data)
+            self._hashed += memoryview(data).nbytes
+            self._finish_if_complete()
+        except BaseException as exc:  # noqa: BLE001 - reported by result()
+            self.error = exc
+            self.done.set()
+        finally:
+            with self._lock:
+                self._running = False
+            if self.timings is not None:
+                self.timings.add("hash", time.perf_counter() - started)
+        self._schedule()
+        return True
+
+    def _finish_if_complete(self) -> None:
+        if self._hashed >= self.size and not self.done.is_set():
+            self.digest = self._sha.hexdigest()
+            self.done.set()
+
     def _schedule(self) -> None:
         with self._lock:
             if self._running or self._hashed >= self._frontier and self._hashed < self.size:
@@ -104,9 +134,7 @@ class PrefixHasher:
                 os.close(fd)
                 if self.timings is not None:
                     self.timings.add("hash", time.perf_counter() - started)
-            if self._hashed >= self.size and not self.done.is_set():
-                self.digest = self._sha.hexdigest()
-                self.done.set()
+            self._finish_if_complete()
         except BaseException as exc:  # noqa: BLE001 - reported by result()
             self.error = exc
             self.done.set()
