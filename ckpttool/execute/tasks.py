@@ -15,6 +15,7 @@ resolved through its index) and a set of mp shards (names repeated per rank) rea
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,7 @@ from ckpttool.execute.staging import Staging
 from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS
 from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.io.safetensors import TensorInfo, array_from_bytes, read_bytes
+from ckpttool.kernels import fp8_cpu
 from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.plan.types import PlacedTensor, Plan
 
@@ -183,6 +185,21 @@ def read_rows(inputs: ShardFiles, file: str, info: TensorInfo, r0: int, r1: int,
     return array_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
 
 
+_scratch = threading.local()
+
+
+def scratch(slot: str, nbytes: int) -> np.ndarray:
+    """This worker thread's reusable uint8 buffer `slot`, at least nbytes (CPU path). A fresh array
+    per chunk is one malloc'd mmap (chunks are 32 MiB), page-faulted and zeroed by the kernel every
+    time: clear_page alone was 5% of a 2-core tmpfs run's CPU. One per slot and thread: workers x
+    one chunk's input and output, what the memory budget allows in flight anyway."""
+    buf = getattr(_scratch, slot, None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+        setattr(_scratch, slot, buf)
+    return buf[:nbytes]
+
+
 def _needed_rows(task: Task, n_rows: int) -> tuple[int, int]:
     lo, hi = n_rows, 0
     for _, p in task.pieces:
@@ -230,17 +247,22 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
     step = task.chunk_rows(chunk_bytes)
     scale_dtype = task.scale_info.dtype if task.scale_info is not None else None
     scalar = not info.shape
+    in_row_bytes = info.nbytes // max(n_rows, 1)
     if fmt is not None and not scalar:
-        in_row_bytes = info.nbytes // max(n_rows, 1)
         out_row_bytes = fmt.out_per_source_row(info.shape) * itemsize(task.out_dtype)
+    # the FP8 kernel writes into this thread's reusable buffer (only without a GPU: its pinned buffers
+    # are the reusable ones there)
+    into = gpu is None and fmt is not None and not scalar and fmt.cpu is fp8_cpu.dequant
     for r0 in range(lo, hi, step):
         r1 = min(r0 + step, hi)
         with clock.activity("read"):
-            pinned = None
+            buf = None
             if gpu is not None and fmt is not None and not scalar:
                 rows_in, rows_out = (r1 - r0) * in_row_bytes, (r1 - r0) * out_row_bytes
-                pinned = gpu.staging(max(rows_in, rows_out))
-            x = read_rows(inputs, task.file, info, r0, r1, pinned)
+                buf = gpu.staging(max(rows_in, rows_out))
+            elif gpu is None and not scalar:
+                buf = scratch("in", (r1 - r0) * in_row_bytes)
+            x = read_rows(inputs, task.file, info, r0, r1, buf)
             if fmt is not None:
                 s0, s1 = fmt.scale_rows(r0, r1)
                 scale = scale_full[s0:s1] if scale_full is not None else \
@@ -248,8 +270,13 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
         if fmt is not None:
             with clock.activity("transform"):
                 try:
-                    x = (gpu.apply(fmt, x, scale, info.dtype, scale_dtype, task.out_dtype) if gpu is not None
-                         else fmt.cpu(x, scale, info.dtype, task.out_dtype))
+                    if gpu is not None:
+                        x = gpu.apply(fmt, x, scale, info.dtype, scale_dtype, task.out_dtype)
+                    elif into:
+                        x = fp8_cpu.dequant(x, scale, info.dtype, task.out_dtype,
+                                            out=scratch("out", (r1 - r0) * out_row_bytes))
+                    else:
+                        x = fmt.cpu(x, scale, info.dtype, task.out_dtype)
                 except NaNCodes as exc:  # the kernel saw rows r0.. of the tensor
                     raise NaNCodes(None if exc.row is None else r0 + exc.row,
                                    file=inputs.root / task.file, tensor=task.source) from None

@@ -97,13 +97,16 @@ def _tables(scale: np.ndarray, fmt: str, out_dtype: str) -> np.ndarray:
 _INF_BITS = {"BF16": (0x7FFF, 0x7F80), "F16": (0x7FFF, 0x7C00), "F32": (0x7FFFFFFF, 0x7F800000)}
 
 
-def dequant(codes: np.ndarray, scale: np.ndarray, fmt: str, out_dtype: str, *, block: int = BLOCK) -> np.ndarray:
+def dequant(codes: np.ndarray, scale: np.ndarray, fmt: str, out_dtype: str, *, block: int = BLOCK,
+            out: np.ndarray | None = None) -> np.ndarray:
     """uint8 codes [M, N] and float32 scale [ceil(M/b), ceil(N/b)] -> [M, N] in out_dtype (one of
-    OUT_DTYPES). The scale's shape and values are the caller's to check."""
+    OUT_DTYPES), written into `out` (a contiguous uint8 buffer of M * N * itemsize bytes) when given.
+    The scale's shape and values are the caller's to check."""
     rows, cols = codes.shape
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"FP8 dequant writes one of {OUT_DTYPES}, not {out_dtype!r}")
-    out = np.empty((rows, cols), dtype=CARRIERS[out_dtype])
+    out = (np.empty((rows, cols), dtype=CARRIERS[out_dtype]) if out is None
+           else out.view(CARRIERS[out_dtype]).reshape(rows, cols))
     if not out.size:
         return out
     tables = _tables(scale[: -(-rows // block), : -(-cols // block)], fmt, out_dtype)
