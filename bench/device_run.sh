@@ -25,7 +25,7 @@ name, tree, dst, *args = sys.argv[1:]
 env = dict(os.environ, PYTHONPATH=f"/tmp/site:{tree}")
 cmd = [sys.executable, "-m", "ckpttool", "convert", "/dev/shm/v3syn", dst, "--mp", "8", "--dtype", "bf16", "--quiet", "--json", *args]
 t = time.perf_counter()
-p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+p = subprocess.Popen(cmd, env=env, cwd="/tmp", stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # not the repo root: its ckpttool/ would shadow the baseline
 out, err = p.communicate()
 wall = time.perf_counter() - t
 import resource

@@ -154,6 +154,31 @@ class Staging:
         if hasher is not None and hasher.offer(offset, data):
             self.timings.count("hash_bytes_from_memory", memoryview(data).nbytes)
 
+    def copy_range(self, file: str, src_fd: int, src_offset: int, nbytes: int, offset: int) -> bool:
+        """Copy nbytes of an input at src_offset to `offset` of `file` inside the kernel (copy_file_range:
+        no bytes through Python; on filesystems that support it, shared extents). False, having
+        written nothing, where the kernel cannot (an older kernel across filesystems, no syscall, an
+        input shorter than planned): the caller reads and writes instead, which names the problem."""
+        if not hasattr(os, "copy_file_range"):
+            return False
+        fd, done = self.fds[file], 0
+        try:
+            faults.point("pwrite")
+            while done < nbytes:
+                n = os.copy_file_range(src_fd, fd, nbytes - done, src_offset + done, offset + done)
+                if n == 0:
+                    return False if not done else self._short(file)
+                done += n
+        except OSError as exc:
+            if not done and exc.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF):
+                return False
+            raise disk_error(exc, self.dir / file) from None
+        return True
+
+    def _short(self, file: str) -> bool:
+        raise OutputError("an input ended while being copied", file=self.dir / file,
+                          fix="the input changed during the run; check it, then rerun with --resume")
+
     def commit(self, entries: list[tuple[str, str]]) -> None:
         """Make written tensors durable, then record them: the journal never runs ahead of the data."""
         with self.timings.activity("fdatasync"):

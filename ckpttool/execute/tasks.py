@@ -234,6 +234,8 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                 y = x if placed.tensor.narrow is None else x.narrow(*placed.tensor.narrow)
                 staging.pwrite(file, y.contiguous().reshape(-1).view(torch.uint8).numpy(), placed.start)
         return list(task.pieces)
+    if task.transform is None and info.shape and _copy_pieces(task, inputs, staging):
+        return list(task.pieces)
     n_rows = task.rows
     lo, hi = _needed_rows(task, n_rows)
     fmt = BY_NAME[task.transform] if task.transform else None
@@ -283,6 +285,27 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
         with clock.activity("write"):
             _write_rows(task, x, r0, r1, staging)
     return list(task.pieces)
+
+
+def _copy_pieces(task: Task, inputs: ShardFiles, staging: Staging) -> bool:
+    """A byte-moving task whose every piece is a run of whole rows of its source (no split along a
+    later dim) is copied by the kernel, piece by piece (Staging.copy_range). False where a piece is
+    not contiguous in the source or the kernel cannot copy: the rows are then read and written."""
+    info = task.info
+    row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+    ranges = []
+    for file, placed in task.pieces:
+        nar = placed.tensor.narrow
+        if nar is not None and nar[0] != 0:
+            return False
+        first, rows = (0, info.shape[0]) if nar is None else (nar[1], nar[2])
+        ranges.append((file, info.start + first * row_bytes, rows * row_bytes, placed.start))
+    src_fd = inputs.fd(task.file)
+    with staging.timings.activity("write"):
+        for file, src, nbytes, dst in ranges:
+            if nbytes and not staging.copy_range(file, src_fd, src, nbytes, dst):
+                return False  # the read-and-write path redoes every piece: the same bytes again
+    return True
 
 
 def _write_rows(task: Task, x: np.ndarray, r0: int, r1: int, staging: Staging) -> None:
