@@ -100,7 +100,35 @@ def test_runs_are_byte_identical_and_manifest_checks(tiny_v3, tmp_path):
         f.seek(-3, 2)
         f.write(b"\x01\x02\x03")
     proc = run_cli("inspect", tmp_path / "a", "--check", check=False)
-    assert proc.returncode == 1 and "model1-mp2.safetensors: sha256 mismatch" in proc.stdout
+    assert proc.returncode == 1 and "model1-mp2.safetensors: blake3 mismatch" in proc.stdout
+
+
+def test_manifest_hash_is_b3sum_and_older_sha256_manifests_still_check(tiny_v3, tmp_path):
+    import hashlib
+    import json
+
+    from blake3 import blake3
+
+    from ckpttool.io.layout import MANIFEST
+
+    dst = tmp_path / "o"
+    run_cli("convert", tiny_v3, dst, "--mp", 2, "--quiet")
+    manifest = json.loads((dst / MANIFEST).read_text())
+    for name, entry in manifest["files"].items():  # what `b3sum NAME` prints
+        assert entry == {"size": (dst / name).stat().st_size, "blake3": blake3((dst / name).read_bytes()).hexdigest()}
+    for name, entry in manifest["files"].items():  # as an older ckpttool wrote it
+        manifest["files"][name] = {"size": entry["size"], "sha256": hashlib.sha256((dst / name).read_bytes()).hexdigest()}
+    (dst / MANIFEST).write_text(json.dumps(manifest))
+    assert run_cli("inspect", dst, "--check").returncode == 0
+    with open(dst / "model0-mp2.safetensors", "r+b") as f:
+        f.seek(-1, 2)
+        f.write(b"\x01")
+    proc = run_cli("inspect", dst, "--check", check=False)
+    assert proc.returncode == 1 and "model0-mp2.safetensors: sha256 mismatch" in proc.stdout
+    manifest["files"]["config.json"] = {"size": 1, "xxh3": "0"}  # a hash this version does not know: refused
+    (dst / MANIFEST).write_text(json.dumps(manifest))
+    proc = run_cli("inspect", dst, "--check", check=False)
+    assert proc.returncode != 0 and "blake3" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_cpu_dequant_matches_formula_on_partial_blocks():
@@ -114,11 +142,14 @@ def test_cpu_dequant_matches_formula_on_partial_blocks():
         assert torch.equal(ours.view(torch.int16), formula_dequant(w, s).view(torch.int16))
 
 
-def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype():
-    """The CPU kernel (numpy, bf16 rounded in integers) against torch doing the same IEEE steps:
-    fp32(code) * scale, one cast. Random codes cover subnormals and the largest values."""
+@pytest.mark.parametrize("numba", ["1", "0"])
+def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype(monkeypatch, numba):
+    """The CPU kernel (per-block tables, bf16 rounded in integers; the gather compiled by numba or
+    in numpy) against torch doing the same IEEE steps: fp32(code) * scale, one cast. Random codes
+    cover subnormals and the largest values; a NaN code is found in its row by either gather."""
     import numpy as np
 
+    monkeypatch.setenv("CKPTTOOL_NUMBA", numba)
     from ckpttool.dtypes import dtype_code
     from ckpttool.kernels import fp8_cpu
 
@@ -133,6 +164,10 @@ def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype
             ours = fp8_cpu.dequant(codes.numpy(), scale.numpy(), fmt, dtype_code(out))
             theirs = exact.to(out).view(carrier).numpy()
             assert np.array_equal(ours.view(theirs.dtype), theirs), (fmt, out)
+            bad = codes.numpy().copy()
+            bad[201, 259] = 0xFF  # NaN in both formats
+            with pytest.raises(fp8_cpu.NaNCodes, match=r"first in row 201\)"):
+                fp8_cpu.dequant(bad, scale.numpy(), fmt, dtype_code(out))
 
 
 def test_nan_codes_are_refused_naming_file_and_tensor(tiny_v3_no_mtp, tmp_path):
@@ -307,8 +342,8 @@ def test_json_report_says_where_the_time_went(tiny_v3, tmp_path):
     timing = json.loads(proc.stdout)["timing"]
     phases, threads = timing["phases_s"], timing["thread_s"]
     assert 0 < phases["execute"] <= phases["total"] and phases["plan"] <= phases["total"]
-    assert all(threads[k] > 0 for k in ("read", "transform", "write", "fdatasync", "sha256")), threads
-    assert "counts" not in timing  # chunk counts are for the CUDA path
+    assert all(threads[k] > 0 for k in ("read", "transform", "write", "fdatasync", "hash")), threads
+    assert not any(k.startswith("chunks_") for k in timing.get("counts", {}))  # chunk counts are for the CUDA path
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where CUDA cannot start")

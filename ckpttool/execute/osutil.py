@@ -1,4 +1,5 @@
-"""malloc_trim, which Python's os module lacks, reached through ctypes; a no-op off glibc.
+"""malloc_trim and statfs's filesystem type, which Python's os module lacks, reached through ctypes;
+no-ops off glibc/Linux.
 
 release_free_memory hands memory glibc keeps in its arenas after frees back to the OS. The
 executor calls it once, when the GPU takes over from the CPU transforms that ran while CUDA
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 
 try:
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
@@ -30,3 +32,21 @@ if _malloc_trim is not None:
 def release_free_memory() -> bool:
     """Return free heap memory to the OS (glibc; True where it released some)."""
     return _malloc_trim is not None and _malloc_trim(0) == 1
+
+
+_statfs = getattr(_libc, "statfs", None)
+_MEMORY_FS = {0x01021994, 0x858458F6}  # TMPFS_MAGIC, RAMFS_MAGIC
+
+
+def in_memory_fs(path) -> bool:
+    """Whether `path` is on tmpfs or ramfs (Linux statfs f_type, the first word of struct statfs on
+    every architecture); False where that cannot be told."""
+    if _statfs is None:
+        return False
+    buf = (ctypes.c_long * 32)()  # struct statfs is 120 bytes on 64-bit Linux
+    try:
+        if _statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+            return False
+    except (OSError, ValueError, TypeError):
+        return False
+    return (buf[0] & 0xFFFFFFFF) in _MEMORY_FS

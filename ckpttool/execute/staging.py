@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ckpttool import faults
 from ckpttool.errors import OutputError
-from ckpttool.io.hashing import PrefixHasher
+from ckpttool.io.hashing import ALGORITHM, PrefixHasher
 from ckpttool.io.safetensors import printable
 from ckpttool.io.layout import JOURNAL, PARTIAL_DIR, PLAN_FILE
 from ckpttool.plan.types import Plan
@@ -71,7 +71,7 @@ class Staging:
         self.fds: dict[str, int] = {}
         # each output file is hashed while it is written (its contiguous written prefix)
         self._hash_pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1, max(1, len(plan.files))),
-                                             thread_name_prefix="ckpttool-sha256")
+                                             thread_name_prefix="ckpttool-hash")
         self._hashers: dict[str, PrefixHasher] = {}
 
     def _check_resumable(self, plan_path: Path, inputs: dict | None) -> None:
@@ -143,11 +143,41 @@ class Staging:
                                                      timings=self.timings)
 
     def pwrite(self, file: str, data, offset: int) -> None:
+        """Write `data` (final bytes) at `offset`; the file's running hash takes it from memory when
+        it extends the hashed prefix."""
         try:
             faults.point("pwrite")
             pwrite_all(self.fds[file], data, offset)
         except OSError as exc:
             raise disk_error(exc, self.dir / file) from None
+        hasher = self._hashers.get(file)
+        if hasher is not None and hasher.offer(offset, data):
+            self.timings.count("hash_bytes_from_memory", memoryview(data).nbytes)
+
+    def copy_range(self, file: str, src_fd: int, src_offset: int, nbytes: int, offset: int) -> bool:
+        """Copy nbytes of an input at src_offset to `offset` of `file` inside the kernel (copy_file_range:
+        no bytes through Python; on filesystems that support it, shared extents). False, having
+        written nothing, where the kernel cannot (an older kernel across filesystems, no syscall, an
+        input shorter than planned): the caller reads and writes instead, which names the problem."""
+        if not hasattr(os, "copy_file_range"):
+            return False
+        fd, done = self.fds[file], 0
+        try:
+            faults.point("pwrite")
+            while done < nbytes:
+                n = os.copy_file_range(src_fd, fd, nbytes - done, src_offset + done, offset + done)
+                if n == 0:
+                    return False if not done else self._short(file)
+                done += n
+        except OSError as exc:
+            if not done and exc.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF):
+                return False
+            raise disk_error(exc, self.dir / file) from None
+        return True
+
+    def _short(self, file: str) -> bool:
+        raise OutputError("an input ended while being copied", file=self.dir / file,
+                          fix="the input changed during the run; check it, then rerun with --resume")
 
     def commit(self, entries: list[tuple[str, str]]) -> None:
         """Make written tensors durable, then record them: the journal never runs ahead of the data."""
@@ -164,7 +194,7 @@ class Staging:
         self.done.update(entries)
 
     def written(self, file: str, start: int, end: int) -> None:
-        """Bytes [start, end) of `file` hold their final contents (feeds the running sha256)."""
+        """Bytes [start, end) of `file` hold their final contents (feeds the running hash)."""
         hasher = self._hashers.get(file)
         if hasher is not None:
             hasher.written(start, end)
@@ -173,7 +203,7 @@ class Staging:
         """Wait for this process's running hashes and leave each beside its file, for whoever
         publishes (rank 0, or a later --resume: the bytes are deterministic, so a digest stays true)."""
         for name, hasher in self._hashers.items():
-            atomic_write(self.dir / f"{name}.sha256", hasher.result().encode())
+            atomic_write(self.dir / f"{name}.{ALGORITHM}", hasher.result().encode())
 
     def close_files(self) -> None:
         for fd in self.fds.values():
@@ -190,7 +220,7 @@ class Staging:
         """The running hashes left beside their files, by this or another rank's process."""
         digests = {}
         for f in self.plan.files:
-            saved = self.dir / f"{f.name}.sha256"
+            saved = self.dir / f"{f.name}.{ALGORITHM}"  # another hash's (an older version's) is redone
             if saved.exists():
                 digests[f.name] = saved.read_text().strip()
         return digests

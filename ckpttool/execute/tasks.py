@@ -15,6 +15,7 @@ resolved through its index) and a set of mp shards (names repeated per rank) rea
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +28,7 @@ from ckpttool.execute.staging import Staging
 from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS
 from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.io.safetensors import TensorInfo, array_from_bytes, read_bytes
+from ckpttool.kernels import fp8_cpu
 from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.plan.types import PlacedTensor, Plan
 
@@ -87,6 +89,11 @@ class Task:
     def read_order(self) -> tuple[str, int]:
         return self.file, self.info.start
 
+    @property
+    def write_order(self) -> int:
+        """Where its first piece lands (mp files order their tensors alike)."""
+        return self.pieces[0][1].start
+
     def run(self, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
             chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
         return run_task(self, inputs, staging, gpu, chunk_bytes)
@@ -114,6 +121,10 @@ class GatherTask:
     @property
     def read_order(self) -> tuple[str, int]:
         return self.parts[0][0], self.parts[0][1].start
+
+    @property
+    def write_order(self) -> int:
+        return self.placed.start
 
     def chunk_rows(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
         shape = self.placed.tensor.shape
@@ -174,6 +185,21 @@ def read_rows(inputs: ShardFiles, file: str, info: TensorInfo, r0: int, r1: int,
     return array_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
 
 
+_scratch = threading.local()
+
+
+def scratch(slot: str, nbytes: int) -> np.ndarray:
+    """This worker thread's reusable uint8 buffer `slot`, at least nbytes (CPU path). A fresh array
+    per chunk is one malloc'd mmap (chunks are 32 MiB), page-faulted and zeroed by the kernel every
+    time: clear_page alone was 5% of a 2-core tmpfs run's CPU. One per slot and thread: workers x
+    one chunk's input and output, what the memory budget allows in flight anyway."""
+    buf = getattr(_scratch, slot, None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+        setattr(_scratch, slot, buf)
+    return buf[:nbytes]
+
+
 def _needed_rows(task: Task, n_rows: int) -> tuple[int, int]:
     lo, hi = n_rows, 0
     for _, p in task.pieces:
@@ -208,6 +234,8 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                 y = x if placed.tensor.narrow is None else x.narrow(*placed.tensor.narrow)
                 staging.pwrite(file, y.contiguous().reshape(-1).view(torch.uint8).numpy(), placed.start)
         return list(task.pieces)
+    if task.transform is None and info.shape and _copy_pieces(task, inputs, staging):
+        return list(task.pieces)
     n_rows = task.rows
     lo, hi = _needed_rows(task, n_rows)
     fmt = BY_NAME[task.transform] if task.transform else None
@@ -221,17 +249,22 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
     step = task.chunk_rows(chunk_bytes)
     scale_dtype = task.scale_info.dtype if task.scale_info is not None else None
     scalar = not info.shape
+    in_row_bytes = info.nbytes // max(n_rows, 1)
     if fmt is not None and not scalar:
-        in_row_bytes = info.nbytes // max(n_rows, 1)
         out_row_bytes = fmt.out_per_source_row(info.shape) * itemsize(task.out_dtype)
+    # the FP8 kernel writes into this thread's reusable buffer (only without a GPU: its pinned buffers
+    # are the reusable ones there)
+    into = gpu is None and fmt is not None and not scalar and fmt.cpu is fp8_cpu.dequant
     for r0 in range(lo, hi, step):
         r1 = min(r0 + step, hi)
         with clock.activity("read"):
-            pinned = None
+            buf = None
             if gpu is not None and fmt is not None and not scalar:
                 rows_in, rows_out = (r1 - r0) * in_row_bytes, (r1 - r0) * out_row_bytes
-                pinned = gpu.staging(max(rows_in, rows_out))
-            x = read_rows(inputs, task.file, info, r0, r1, pinned)
+                buf = gpu.staging(max(rows_in, rows_out))
+            elif gpu is None and not scalar:
+                buf = scratch("in", (r1 - r0) * in_row_bytes)
+            x = read_rows(inputs, task.file, info, r0, r1, buf)
             if fmt is not None:
                 s0, s1 = fmt.scale_rows(r0, r1)
                 scale = scale_full[s0:s1] if scale_full is not None else \
@@ -239,14 +272,40 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
         if fmt is not None:
             with clock.activity("transform"):
                 try:
-                    x = (gpu.apply(fmt, x, scale, info.dtype, scale_dtype, task.out_dtype) if gpu is not None
-                         else fmt.cpu(x, scale, info.dtype, task.out_dtype))
+                    if gpu is not None:
+                        x = gpu.apply(fmt, x, scale, info.dtype, scale_dtype, task.out_dtype)
+                    elif into:
+                        x = fp8_cpu.dequant(x, scale, info.dtype, task.out_dtype,
+                                            out=scratch("out", (r1 - r0) * out_row_bytes))
+                    else:
+                        x = fmt.cpu(x, scale, info.dtype, task.out_dtype)
                 except NaNCodes as exc:  # the kernel saw rows r0.. of the tensor
                     raise NaNCodes(None if exc.row is None else r0 + exc.row,
                                    file=inputs.root / task.file, tensor=task.source) from None
         with clock.activity("write"):
             _write_rows(task, x, r0, r1, staging)
     return list(task.pieces)
+
+
+def _copy_pieces(task: Task, inputs: ShardFiles, staging: Staging) -> bool:
+    """A byte-moving task whose every piece is a run of whole rows of its source (no split along a
+    later dim) is copied by the kernel, piece by piece (Staging.copy_range). False where a piece is
+    not contiguous in the source or the kernel cannot copy: the rows are then read and written."""
+    info = task.info
+    row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+    ranges = []
+    for file, placed in task.pieces:
+        nar = placed.tensor.narrow
+        if nar is not None and nar[0] != 0:
+            return False
+        first, rows = (0, info.shape[0]) if nar is None else (nar[1], nar[2])
+        ranges.append((file, info.start + first * row_bytes, rows * row_bytes, placed.start))
+    src_fd = inputs.fd(task.file)
+    with staging.timings.activity("write"):
+        for file, src, nbytes, dst in ranges:
+            if nbytes and not staging.copy_range(file, src_fd, src, nbytes, dst):
+                return False  # the read-and-write path redoes every piece: the same bytes again
+    return True
 
 
 def _write_rows(task: Task, x: np.ndarray, r0: int, r1: int, staging: Staging) -> None:

@@ -1,8 +1,15 @@
-"""sha256 of an output file computed while it is being written.
+"""The manifest's hash of an output file, computed while it is being written.
 
 Tensors land out of order, but roughly by ascending offset; each file's hasher consumes the
-contiguous written prefix as it grows (re-reading it from the page cache on a pool thread), so the
-manifest costs no second pass over the output at the end.
+contiguous written prefix as it grows, so the manifest costs no second pass over the output at the
+end. Bytes written right at the hashed prefix are hashed from the writer's buffer (`offer`); the
+rest is re-read from the page cache on a pool thread (on tmpfs that pread cost as much CPU as blake3
+itself: 2.2-2.5 GB/s re-read and hashed against 4.3 from memory).
+
+The hash is BLAKE3 (256-bit, the hex digest `b3sum FILE` prints): cryptographic like sha256, and on
+one core of the 2-core box 4.3 GB/s against sha256's 1.8 (OpenSSL with SHA-NI); xxh3-128 ran 28.5
+but is no defence against a tampered file. Manifests written before carry sha256, still checked as
+such (`sha256sum`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,20 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 READ_BYTES = 8 << 20
+ALGORITHM = "blake3"
+"""the hash new manifests record, and its key in each file's entry"""
+ALGORITHMS = ("blake3", "sha256")
+"""the hashes a manifest may carry (older manifests: sha256)"""
+
+
+def new_hash(algorithm: str = ALGORITHM):
+    if algorithm == "blake3":
+        from blake3 import blake3
+
+        return blake3()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown hash {algorithm!r}; one of {ALGORITHMS}")
 
 
 _blocks = threading.local()
@@ -32,11 +53,12 @@ def _block() -> memoryview:
 
 
 class PrefixHasher:
-    def __init__(self, path: Path, size: int, pool: Executor, written_prefix: int = 0, timings=None):
+    def __init__(self, path: Path, size: int, pool: Executor, written_prefix: int = 0, timings=None,
+                 algorithm: str = ALGORITHM):
         self.path, self.size, self.pool = path, size, pool
         self.timings = timings
-        self._sha = hashlib.sha256()
-        self._hashed = 0  # bytes fed to sha256
+        self._sha = new_hash(algorithm)
+        self._hashed = 0  # bytes fed to the hash
         self._frontier = written_prefix  # bytes known written from offset 0
         self._ranges: list[tuple[int, int]] = []  # written ranges beyond the frontier (a heap)
         self._lock = threading.Lock()
@@ -52,6 +74,34 @@ class PrefixHasher:
             while self._ranges and self._ranges[0][0] <= self._frontier:
                 self._frontier = max(self._frontier, heapq.heappop(self._ranges)[1])
         self._schedule()
+
+    def offer(self, start: int, data) -> bool:
+        """`data` was just written at `start`: hash it from memory if it extends the hashed prefix and
+        no other thread is hashing this file (else it is re-read later). Returns whether it was."""
+        with self._lock:
+            if self._running or start != self._hashed or self.error is not None:
+                return False
+            self._running = True
+        started = time.perf_counter()
+        try:
+            self._sha.update(data)
+            self._hashed += memoryview(data).nbytes
+            self._finish_if_complete()
+        except BaseException as exc:  # noqa: BLE001 - reported by result()
+            self.error = exc
+            self.done.set()
+        finally:
+            with self._lock:
+                self._running = False
+            if self.timings is not None:
+                self.timings.add("hash", time.perf_counter() - started)
+        self._schedule()
+        return True
+
+    def _finish_if_complete(self) -> None:
+        if self._hashed >= self.size and not self.done.is_set():
+            self.digest = self._sha.hexdigest()
+            self.done.set()
 
     def _schedule(self) -> None:
         with self._lock:
@@ -83,10 +133,8 @@ class PrefixHasher:
             finally:
                 os.close(fd)
                 if self.timings is not None:
-                    self.timings.add("sha256", time.perf_counter() - started)
-            if self._hashed >= self.size and not self.done.is_set():
-                self.digest = self._sha.hexdigest()
-                self.done.set()
+                    self.timings.add("hash", time.perf_counter() - started)
+            self._finish_if_complete()
         except BaseException as exc:  # noqa: BLE001 - reported by result()
             self.error = exc
             self.done.set()
@@ -98,9 +146,14 @@ class PrefixHasher:
         return self.digest
 
 
-def sha256_file(path: Path, chunk: int = READ_BYTES) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+def file_digest(path: Path, algorithm: str = ALGORITHM, chunk: int = READ_BYTES) -> str:
+    h = new_hash(algorithm)
+    view = _block() if chunk == READ_BYTES else memoryview(bytearray(chunk))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            h.update(view[:n])
     return h.hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = READ_BYTES) -> str:
+    return file_digest(path, "sha256", chunk)

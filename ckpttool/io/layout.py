@@ -15,7 +15,8 @@ from ckpttool.io.safetensors import printable
 
 MP_FILE = re.compile(r"model(\d+)-mp(\d+)\.safetensors")
 MANIFEST = "ckpttool-manifest.json"
-"""tool version, plan hash, size and sha256 of every file: written last, when an output is complete"""
+"""tool version, plan hash, size and hash (blake3; sha256 in older ones) of every file: written last, when an
+output is complete"""
 PARTIAL_DIR = ".ckpttool-partial"
 """DST/.ckpttool-partial: output files at their final size, the plan and the journal, until publish"""
 INDEX_NAME = "model.safetensors.index.json"
@@ -120,7 +121,8 @@ def find_mp(directory: Path, mp: int | None = None) -> int:
 
 def read_manifest(dst: Path) -> dict | None:
     """DST's manifest (None where there is none): a JSON object whose `files` maps plain names to
-    {size, sha256}. Anything else is an InputError; names are not trusted until check_name."""
+    {size, blake3} (or {size, sha256}, as older versions wrote). Anything else is an InputError; names are
+    not trusted until check_name."""
     path = Path(dst) / MANIFEST
     if not os.path.lexists(path):
         return None
@@ -135,7 +137,16 @@ def read_manifest(dst: Path) -> dict | None:
         raise InputError("the manifest is not valid JSON", file=path, fix=fix) from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(
-            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+            isinstance(v, dict) and isinstance(v.get("size"), int) and manifest_digest(v) is not None
             for v in files.values()):
-        raise InputError("the manifest has no `files` object of {size, sha256} entries", file=path, fix=fix)
+        raise InputError("the manifest has no `files` object of {size, blake3} (or {size, sha256}) entries",
+                         file=path, fix=fix + "; a newer ckpttool may know its hash")
     return manifest
+
+
+def manifest_digest(entry: dict) -> tuple[str, str] | None:
+    """(algorithm, hex digest) of a manifest entry: blake3, or the sha256 of older manifests."""
+    for algorithm in ("blake3", "sha256"):
+        if isinstance(entry.get(algorithm), str):
+            return algorithm, entry[algorithm]
+    return None

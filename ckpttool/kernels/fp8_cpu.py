@@ -1,14 +1,17 @@
-"""FP8 128x128 block dequant on the CPU, in numpy: the executor's CPU path, with no torch import.
+"""FP8 128x128 block dequant on the CPU: the executor's CPU path, with no torch import.
 
-Out = round(float32(code) * scale[i // 128, j // 128]): the code's exact float32 value (a table
-gather), one float32 multiply, one round to nearest even into the output dtype. Those are the IEEE
-operations the Triton kernel does, so both devices give the same bits (tests/test_convert.py).
-bf16 has no numpy dtype: it is carried as uint16 and rounded with integer arithmetic.
+Out = round(float32(code) * scale[i // 128, j // 128]): the code's exact float32 value, one float32
+multiply, one round to nearest even into the output dtype. Those are the IEEE operations the Triton
+kernel does, so both devices give the same bits (tests/test_convert.py). bf16 has no numpy dtype: it
+is carried as uint16 and rounded with integer arithmetic.
 
-Speed: a gather of two codes at a time from a 65536-entry table, then a few in-place passes over
-runs of ~1M elements: 250 Melem/s on one core of the benchmark machine (torch's own fp8 -> fp32
-cast alone: 123), 2.1 Gelem/s on 16 threads. The executor runs one chunk per worker thread; numpy
-releases the GIL inside each call.
+An FP8 code has 256 values and a block one scale, so each 128x128 block's outputs are a 256-entry
+table: the multiply and the rounding run once per (block, code) in numpy, and each element is one
+gather from a table that stays in L1. The gather is a numba kernel (kernels/fp8_gather.py: one
+call per chunk, without the GIL; 2.2 Gelem/s on one core of the 2-core box) where numba imports,
+else numpy (`np.take` over precomputed indices, 0.75 Gelem/s). The previous kernel, a float32
+gather then in-place multiply, NaN and rounding passes, ran 0.26 Gelem/s there. NaN codes (or a
+product that is NaN) show as NaN output bits, found in the same pass.
 """
 
 from __future__ import annotations
@@ -20,14 +23,11 @@ import numpy as np
 
 from ckpttool.errors import InputError
 from ckpttool.dtypes import CARRIERS
+from ckpttool.kernels import fp8_gather
 
 BLOCK = 128
 OUT_DTYPES = ("BF16", "F16", "F32")
 """the output dtype codes the dequant kernels write (in dtypes.CARRIERS: bf16 as uint16)"""
-_STEP_ELEMENTS = 1 << 20
-"""elements per step (128 rows of 7168): fewer, larger numpy calls. Every call takes the GIL back,
-and with 16-row steps (448 KiB temporaries, in L2) 8 threads ran at 613 Melem/s on the 16-core
-benchmark machine against 266 for one; 128-row steps: 249 for one, 1313 for 8, 2098 for 16."""
 
 # code -> (exponent bits, mantissa bits, exponent bias, has infinities): OCP FP8 formats
 _FORMATS = {"F8_E4M3": (4, 3, 7, False), "F8_E5M2": (5, 2, 15, True)}
@@ -65,15 +65,6 @@ def fp8_values(fmt: str) -> np.ndarray:
     return values
 
 
-@functools.lru_cache(maxsize=None)
-def _pair_values(fmt: str) -> np.ndarray:
-    """[65536] uint64: entry (hi << 8 | lo) is the float32 bits of codes lo then hi, so one gather
-    of a little-endian uint16 yields two adjacent float32 values."""
-    bits = fp8_values(fmt).view(np.uint32).astype(np.uint64)
-    i = np.arange(65536)
-    return bits[i & 0xFF] | (bits[i >> 8] << np.uint64(32))
-
-
 def round_to_bf16(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
     """float32 -> bfloat16 bits (uint16), round to nearest even: the rounding of torch and of CUDA's
     cvt.rn.bf16.f32. The caller has ruled NaN out (it would need a canonical payload)."""
@@ -86,43 +77,46 @@ def round_to_bf16(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
     np.copyto(out, tmp, casting="unsafe")
 
 
-def dequant(codes: np.ndarray, scale: np.ndarray, fmt: str, out_dtype: str, *, block: int = BLOCK) -> np.ndarray:
+def _tables(scale: np.ndarray, fmt: str, out_dtype: str) -> np.ndarray:
+    """[blocks down, blocks across, 256]: each block's 256 outputs in the carrier's bits (uint16 or
+    uint32), computed exactly as the elementwise kernel would: fp32 product, then the rounding."""
+    with np.errstate(over="ignore"):
+        prod = np.multiply(fp8_values(fmt)[None, None, :], scale.astype(np.float32, copy=False)[:, :, None],
+                           dtype=np.float32)
+    if out_dtype == "BF16":
+        out = np.empty(prod.shape, dtype=np.uint16)
+        round_to_bf16(prod, out, np.empty(prod.shape, dtype=np.uint32))
+        return out
+    if out_dtype == "F16":
+        with np.errstate(over="ignore"):  # beyond fp16's range is +-inf, as on the GPU
+            return prod.astype(np.float16).view(np.uint16)
+    return prod.view(np.uint32)
+
+
+# (sign mask, bits of +inf) per output dtype: masked bits above +inf's are a NaN
+_INF_BITS = {"BF16": (0x7FFF, 0x7F80), "F16": (0x7FFF, 0x7C00), "F32": (0x7FFFFFFF, 0x7F800000)}
+
+
+def dequant(codes: np.ndarray, scale: np.ndarray, fmt: str, out_dtype: str, *, block: int = BLOCK,
+            out: np.ndarray | None = None) -> np.ndarray:
     """uint8 codes [M, N] and float32 scale [ceil(M/b), ceil(N/b)] -> [M, N] in out_dtype (one of
-    OUT_DTYPES). The scale's shape and values are the caller's to check."""
+    OUT_DTYPES), written into `out` (a contiguous uint8 buffer of M * N * itemsize bytes) when given.
+    The scale's shape and values are the caller's to check."""
     rows, cols = codes.shape
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"FP8 dequant writes one of {OUT_DTYPES}, not {out_dtype!r}")
-    out = np.empty((rows, cols), dtype=CARRIERS[out_dtype])
-    pairs = cols % 2 == 0 and codes.strides[1] == 1
-    table = _pair_values(fmt) if pairs else fp8_values(fmt)
-    sub = max(1, min(rows, max(16, _STEP_ELEMENTS // max(cols, 1))))
-    x = np.empty((sub, cols), dtype=np.float32)
-    tmp = np.empty((sub, cols), dtype=np.uint32) if out_dtype == "BF16" else None
-    whole_blocks = cols % block == 0
-    for r0 in range(0, rows, sub):
-        r1 = min(rows, r0 + sub)
-        n = r1 - r0
-        xv = x[:n]
-        if pairs:
-            np.take(table, codes[r0:r1].view(np.uint16), out=xv.view(np.uint64))
-        else:
-            np.take(table, codes[r0:r1], out=xv)
-        b0 = r0
-        while b0 < r1:  # the scale row of each 128-row block in this run
-            b1 = min(r1, (b0 // block + 1) * block)
-            s = scale[b0 // block]
-            part = xv[b0 - r0: b1 - r0]
-            if whole_blocks:
-                part.reshape(b1 - b0, cols // block, block)[...] *= s[:, None]
-            else:
-                part *= np.repeat(s, block)[:cols]
-            b0 = b1
-        if np.isnan(xv).any():
-            bad = int(np.flatnonzero(np.isnan(xv).any(axis=1))[0]) + r0
-            raise NaNCodes(bad)
-        if tmp is not None:
-            round_to_bf16(xv, out[r0:r1], tmp[:n])
-        else:
-            with np.errstate(over="ignore"):  # beyond fp16's range is +-inf, as on the GPU
-                np.copyto(out[r0:r1], xv, casting="unsafe")
+    out = (np.empty((rows, cols), dtype=CARRIERS[out_dtype]) if out is None
+           else out.view(CARRIERS[out_dtype]).reshape(rows, cols))
+    if not out.size:
+        return out
+    tables = _tables(scale[: -(-rows // block), : -(-cols // block)], fmt, out_dtype)
+    bits = out.view(tables.dtype)
+    mask, inf = _INF_BITS[out_dtype]
+    gather = fp8_gather.kernel() if block & (block - 1) == 0 else None
+    if gather is not None:
+        bad = gather(codes, tables.reshape(tables.shape[0], -1), bits, block.bit_length() - 1, mask, inf)
+    else:
+        bad = fp8_gather.gather_numpy(codes, tables, bits, block, mask, inf)
+    if bad >= 0:
+        raise NaNCodes(int(bad))
     return out

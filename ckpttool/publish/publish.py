@@ -13,8 +13,9 @@ from pathlib import Path
 from ckpttool import __version__, faults
 from ckpttool.execute.staging import Staging, atomic_write, fsync_path
 from ckpttool.errors import CkptError, InputError
-from ckpttool.io.hashing import sha256_file
-from ckpttool.io.layout import INDEX_NAME, MANIFEST, check_output_names, is_own_regular_file, name_problem, read_manifest
+from ckpttool.io.hashing import ALGORITHM, file_digest
+from ckpttool.io.layout import (INDEX_NAME, MANIFEST, check_output_names, is_own_regular_file, manifest_digest,
+                                name_problem, read_manifest)
 from ckpttool.io.safetensors import printable
 
 
@@ -48,13 +49,13 @@ def publish(staging: Staging, src: Path, *, overwrite: bool, hash_workers: int =
     names = [f.name for f in plan.files] + aux
     with ThreadPoolExecutor(hash_workers) as pool:  # files finished in an earlier run, and aux files
         missing = [n for n in names if n not in digests]
-        digests.update(zip(missing, pool.map(lambda n: sha256_file(dst / n), missing)))
+        digests.update(zip(missing, pool.map(lambda n: file_digest(dst / n), missing)))
     previous = _previous_manifest(dst) if overwrite else None
     manifest = {
         "tool": f"ckpttool {__version__}",
         "plan_hash": staging.plan_hash,
         "format": plan.format,
-        "files": {n: {"size": (dst / n).stat().st_size, "sha256": digests[n]} for n in names},
+        "files": {n: {"size": (dst / n).stat().st_size, ALGORITHM: digests[n]} for n in names},
     }
     faults.point("manifest")
     atomic_write(dst / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
@@ -76,13 +77,14 @@ def _previous_manifest(dst: Path) -> dict | None:
 def remove_stale(dst: Path, listed: dict, *, keep: set[str]) -> list[str]:
     """Delete what an earlier manifest lists and this run does not produce, only where we can prove
     we wrote it: a plain name (no path, no `..`, not one of ours), a regular file with one link (never
-    a symlink's target), and the size and sha256 the manifest recorded. Anything else stays."""
+    a symlink's target), and the size and hash the manifest recorded. Anything else stays."""
     removed = []
     for name in sorted(set(listed) - keep):
         if name_problem(name) is not None or name == MANIFEST or name.startswith("."):
             continue
         path, want = dst / name, listed[name]
-        if not is_own_regular_file(path, want["size"]) or sha256_file(path) != want["sha256"]:
+        algorithm, digest = manifest_digest(want)
+        if not is_own_regular_file(path, want["size"]) or file_digest(path, algorithm) != digest:
             continue
         os.unlink(path)
         removed.append(name)
@@ -105,6 +107,7 @@ def check_manifest(path: Path) -> dict:
         elif p.stat().st_size != want["size"]:
             results[name] = f"size {p.stat().st_size} != {want['size']}"
         else:
-            results[name] = "ok" if sha256_file(p) == want["sha256"] else "sha256 mismatch"
+            algorithm, digest = manifest_digest(want)
+            results[name] = "ok" if file_digest(p, algorithm) == digest else f"{algorithm} mismatch"
     return {"ok": all(v == "ok" for v in results.values()), "plan_hash": manifest.get("plan_hash"),
             "tool": manifest.get("tool"), "files": results}
