@@ -217,7 +217,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
         final, part = self.root / name, self.fetch_dir / name
         if os.path.lexists(final):
             if self._check_whole(final, name) is None:
-                self.stats["files_reused"] += 1
+                self.stats["files_reused"] += name in self._ready  # input files; side files are not counted
                 return
             final.unlink()
         problem = None
@@ -226,7 +226,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
             if problem is None:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(part, final)
-                self.stats["files_fetched"] += 1
+                self.stats["files_fetched"] += name in self._ready
                 return
             part.unlink(missing_ok=True)
             self.stats["refetched"].append(name)
