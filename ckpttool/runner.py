@@ -244,7 +244,7 @@ def plan_report(src, job: Job, recipe: Recipe, dst: Path | None) -> dict:
         "copies": plan.copies, "notes": plan.notes,
     }
     if streamed:
-        from ckpttool.hub.stream import stream_plan
+        from ckpttool.hub.schedule import stream_plan
 
         dl = recipe.stage("download") or DownloadStage()
         report["hub"] = stream_plan(inputs, plan, report["disk_needed"], dl.max_input_files)

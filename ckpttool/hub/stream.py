@@ -26,15 +26,14 @@ from huggingface_hub.file_download import http_get
 from ckpttool import faults
 from ckpttool.errors import InputError, OutputError
 from ckpttool.execute.staging import Staging, disk_error
-from ckpttool.execute.tasks import make_tasks
 from ckpttool.hub.download import HUB_FAILURES, _SilentTqdm, _translate
-from ckpttool.hub.remote import RemoteCheckpoint, RemoteRepo, measure_rate
+from ckpttool.hub.remote import RemoteCheckpoint, RemoteRepo
+from ckpttool.hub.schedule import most_live, reads, schedule
 from ckpttool.io.layout import STREAM_FETCH, STREAM_INPUT
 from ckpttool.plan.types import Plan
 
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 REFETCH_ATTEMPTS = 1
-RATE_PROBE_BYTES = 16 << 20  # `plan REPO_ID` times one range request of this much (read, then dropped)
 
 
 class _Aborted(Exception):
@@ -95,20 +94,20 @@ class StreamingCheckpoint(RemoteCheckpoint):
         """Room for the input files on disk at once beside the output: the free-space check's share."""
         tasks, first, last = schedule(plan, self)
         streamed = [f for f in first if f not in self.in_place]
-        k = max(self.max_files, _most_live(first, last, streamed))
+        k = max(self.max_files, most_live(first, last, streamed))
         return sum(sorted((self.repo.files[f].size or 0 for f in streamed), reverse=True)[:k])
 
     def plan_fetches(self, staging: Staging, files: set[str] | None = None) -> int:
         """What the executor will read, in its order; returns the bytes still to fetch."""
         tasks, first, last = schedule(staging.plan, self, staging.done, staging.published, files)
         for task in tasks:
-            reads = _reads(task)
+            files = reads(task)
             for out, placed in task.pieces:
-                self._reads[(out, placed.tensor.name)] = reads
-                for f in reads:
+                self._reads[(out, placed.tensor.name)] = files
+                for f in files:
                     self._users.setdefault(f, set()).add((out, placed.tensor.name))
         self._order = [f for f in first if f not in self.in_place]
-        self.files_needed_at_once = _most_live(first, last, self._order)
+        self.files_needed_at_once = most_live(first, last, self._order)
         self.k = max(self.max_files, self.files_needed_at_once)
         self._copies = list(staging.plan.copies)
         staging.on_commit = self.durable
@@ -362,61 +361,6 @@ class _HashingSink:
             how = "sha256" if self.remote.sha256 else "git-sha1"
             return f"{how} {self.h.hexdigest()} differs from the hub's {expected}"
         return None
-
-
-def schedule(plan: Plan, inputs: RemoteCheckpoint, done=frozenset(), published=frozenset(),
-             files: set[str] | None = None) -> tuple[list, dict[str, int], dict[str, int]]:
-    """The executor's tasks in its order (read order), and each input file's first and last task."""
-    tasks = make_tasks(plan, inputs, done, published, files)
-    tasks.sort(key=lambda t: t.read_order)
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for i, task in enumerate(tasks):
-        for f in _reads(task):
-            first.setdefault(f, i)
-            last[f] = i
-    return tasks, first, last
-
-
-def _reads(task) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(f for f in (task.file, task.scale_file) if f is not None))
-
-
-def stream_plan(ckpt: RemoteCheckpoint, plan: Plan, disk_needed: int, max_files: int) -> dict:
-    """What `plan REPO_ID` adds: the disk of streaming (the output and at most K input files) and of
-    downloading first (the output and every file `download` would fetch), and the expected download time."""
-    repo = ckpt.repo
-    _, first, last = schedule(plan, ckpt)
-    cached = {f for f in repo.files if repo.cached(f) is not None}
-    streamed = [f for f in first if f not in cached]
-    need = _most_live(first, last, streamed)
-    k = max(max_files, need)
-    fetch = sum(repo.files[f].size or 0 for f in streamed)
-    rate = measure_rate(repo, RATE_PROBE_BYTES)
-    return {"repo_id": repo.repo_id, "commit": repo.commit, "input_files": len(first), "input_bytes": ckpt.input_bytes(),
-            "files_in_hf_cache": sorted(cached & set(first)), "bytes_to_fetch": fetch,
-            "max_input_files": k, "input_files_needed_at_once": need,
-            "disk_needed_streaming": disk_needed + sum(sorted((repo.files[f].size or 0 for f in streamed),
-                                                              reverse=True)[:k]),
-            "disk_needed_download_first": disk_needed + sum(f.size or 0 for n, f in repo.files.items() if n not in cached),
-            "download_rate": round(rate) if rate else None,
-            "expected_download_seconds": round(fetch / rate, 1) if rate else None}
-
-
-def _most_live(first: dict[str, int], last: dict[str, int], streamed: list[str]) -> int:
-    """The most streamed files some task window needs on disk at once (a scale kept in the last file
-    keeps that file live from the first task on): the smallest K that cannot deadlock."""
-    starts: dict[int, int] = {}
-    ends: dict[int, int] = {}
-    for f in streamed:
-        starts[first[f]] = starts.get(first[f], 0) + 1
-        ends[last[f]] = ends.get(last[f], 0) + 1
-    live = best = 0
-    for i in sorted(set(starts) | set(ends)):
-        live += starts.get(i, 0)
-        best = max(best, live)
-        live -= ends.get(i, 0)
-    return best
 
 
 def _files_under(folder: Path) -> list[Path]:
