@@ -54,7 +54,6 @@ class ExecOptions:
     quiet: bool = False
     chunk_bytes: int = defaults.CHUNK_BYTES  # output bytes per streamed run of rows
     max_input_files: int = defaults.MAX_INPUT_FILES  # converting from a repo id: input files on disk at once
-    fetch_workers: int = 8
     wait_for_cuda: bool = False  # else the first chunks run on the CPU while the GPU starts (same bits)
 
     @classmethod
@@ -142,7 +141,7 @@ def run(request: Request) -> RunReport | dict:
     opts = ExecOptions.from_recipe(recipe.execution, overwrite=request.overwrite, resume=request.resume,
                                    quiet=request.quiet)
     if (dl := recipe.stage("download")) is not None:
-        opts.max_input_files, opts.fetch_workers = dl.max_input_files, dl.max_workers
+        opts.max_input_files = dl.max_input_files
     report = RunReport(recipe.name, convert(src, request.dst, job, opts))
     verify = recipe.stage("verify")
     if verify is not None:
@@ -261,7 +260,7 @@ def _open_inputs(src, job: Job, staging_dir: Path | None = None, opts: ExecOptio
 
     if staging_dir is None:
         return RemoteCheckpoint(src, Path(src.where))
-    return StreamingCheckpoint(src, staging_dir, max_files=opts.max_input_files, max_workers=opts.fetch_workers)
+    return StreamingCheckpoint(src, staging_dir, max_files=opts.max_input_files)
 
 
 def convert(src, dst: Path, job: Job, opts: ExecOptions) -> RunResult:
