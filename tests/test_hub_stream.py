@@ -19,12 +19,12 @@ import pytest
 from ckpttool.families.deepseek.demo import build_checkpoint
 from ckpttool.io.layout import PARTIAL_DIR, STREAM_FETCH, STREAM_INPUT
 
-try:
+try:  # `hub`: test_download's per-test fixture (reset, no unknown endpoints), over this module's `server`
     from hub_server import HubServer, load_repo
-    from test_download import REPO_ROOT, hub_env
+    from test_download import REPO_ROOT, hub, hub_env  # noqa: F401
 except ImportError:
     from tests.hub_server import HubServer, load_repo
-    from tests.test_download import REPO_ROOT, hub_env
+    from tests.test_download import REPO_ROOT, hub, hub_env  # noqa: F401
 
 N_FILES = 5
 WEIGHTS = [f"model-0000{i}-of-0000{N_FILES}.safetensors" for i in range(1, N_FILES + 1)]
@@ -50,14 +50,6 @@ def server(source, scattered):
     repos = [load_repo(r, source) for r in ("org/five", "org/cached", "org/corrupt")]
     with HubServer(repos + [load_repo("org/scattered", scattered)]) as hub:
         yield hub
-
-
-@pytest.fixture
-def hub(server):
-    server.reset()
-    yield server
-    assert server.unknown == [], "the client called an endpoint the test hub does not serve"
-    server.reset()
 
 
 @pytest.fixture(scope="module")
