@@ -180,9 +180,9 @@ class StreamingCheckpoint(RemoteCheckpoint):
     def _run(self) -> None:
         for name in self._copies:  # small; publish copies them from here
             self._guarded(name, self._side_file)
-        # one file at a time, in order: parallel transfers share the link, so the file the executor
-        # waits for would land later (0.70 GB over a 165 MB/s link: 9.6 s streamed with four at once,
-        # bench/RESULTS.md); the next file arrives while this one converts
+        # one file at a time, in order: parallel transfers would share the link, so the file the
+        # executor waits for would land later; the next file arrives while this one converts (on the
+        # 2-core box the difference was within noise, bench/RESULTS.md)
         for name in self._order:
             with self._cond:
                 self._cond.wait_for(lambda: self._resident < self.k or self._closing)
