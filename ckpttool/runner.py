@@ -69,7 +69,7 @@ class Request:
     recipe: Recipe
     src: str | Path | None  # a directory (or, with hub_input, a hub repo id)
     dst: Path | None
-    hub_input: bool = False  # `run -i`: a src that is not a local directory is a hub repo id
+    hub_input: bool = False  # `run -i`, convert, dequant, shard, plan: a src that is not a local directory is a repo id
     overwrite: bool = False
     resume: bool = False
     dry_run: bool = False
