@@ -17,6 +17,9 @@ DEVICE = "auto"
 MAX_WORKERS = 16
 MAX_SHARD_SIZE = "50GB"
 """merge's largest output file: transformers' save_pretrained default"""
+MAX_INPUT_FILES = 2
+"""converting straight from a hub repo id: input files on disk at once (--max-input-files,
+download.max_input_files); each is deleted once every tensor read from it is durable"""
 CHUNK_BYTES = 32 << 20
 """output bytes per streamed run of rows (and per worker's pinned buffer on CUDA)"""
 

@@ -38,6 +38,11 @@ class DownloadStage(_Strict):
     ignore_patterns: Optional[list[str]] = None
     max_workers: int = Field(8, ge=1, le=64)
     verify_sha256: bool = False
+    """download first (cache: true): hash every file; streamed files are always hashed as they arrive"""
+    max_input_files: int = Field(defaults.MAX_INPUT_FILES, ge=1, le=1024)
+    """converting straight from the hub: input files on disk at once (each deleted once converted)"""
+    cache: bool = False
+    """download into the HF cache first (kept), then convert from there; else stream through DST"""
 
 
 class DequantStage(_Strict):
@@ -176,7 +181,7 @@ class Recipe(_Strict):
         return self.spec()
 
 
-PRESET_FLAGS = {"stages.shard.mp": "--mp", "stages.merge.max_shard_size": "--max-shard-size",
+PRESET_FLAGS = {"stages.shard.mp": "--mp", "stages.download.max_input_files": "--max-input-files", "stages.merge.max_shard_size": "--max-shard-size",
                 "stages.verify.device": "--device", "execution.max_memory": "--max-memory",
                 "execution.workers": "--workers", "execution.device": "--device"}
 """the recipe keys command flags set (preset), for errors worded as the flags the user typed"""
@@ -188,16 +193,19 @@ INPUT = "input"
 
 def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp: bool | None = None,
            merge_max_shard_size: str | None = None, verify_device: str | None = None,
-           max_memory: str | None = None, workers: int | None = None, device: str = defaults.DEVICE) -> Recipe:
+           max_memory: str | None = None, workers: int | None = None, device: str = defaults.DEVICE,
+           max_input_files: int | None = None) -> Recipe:
     """The recipe a command's flags stand for (`ckpttool convert --mp 8` is a dequant + shard recipe)."""
     stages: list[dict] = []
+    if max_input_files is not None:  # only said for a hub input; a repo id streams without it too
+        stages.append({"download": {"max_input_files": max_input_files}})
     if merge_max_shard_size is not None:
         stages.append({"merge": {"max_shard_size": merge_max_shard_size}})
     if dequant:
         stages.append({"dequant": {"dtype": "bf16"}})
     if mp is not None:
         stages.append({"shard": {"mp": mp}})
-    if not stages:
+    if not any(kind in s for s in stages for kind in ("merge", "dequant", "shard")):
         stages.append({"dequant": {"dtype": "bf16"}})
     if verify_device is not None:  # a command's --verify compares with the input it converted, where it fits
         stages.append({"verify": {"device": verify_device, "reference": INPUT}})

@@ -38,7 +38,7 @@ from ckpttool.publish.destination import (
     free_space,
 )
 from ckpttool.publish.publish import publish
-from ckpttool.recipe import INPUT, Execution, Recipe
+from ckpttool.recipe import INPUT, DownloadStage, Execution, Recipe
 from ckpttool.timing import Timings
 
 Job = Spec | MergeSpec
@@ -53,6 +53,7 @@ class ExecOptions:
     resume: bool = False
     quiet: bool = False
     chunk_bytes: int = defaults.CHUNK_BYTES  # output bytes per streamed run of rows
+    max_input_files: int = defaults.MAX_INPUT_FILES  # converting from a repo id: input files on disk at once
     wait_for_cuda: bool = False  # else the first chunks run on the CPU while the GPU starts (same bits)
 
     @classmethod
@@ -68,7 +69,7 @@ class Request:
     recipe: Recipe
     src: str | Path | None  # a directory (or, with hub_input, a hub repo id)
     dst: Path | None
-    hub_input: bool = False  # `run -i`: a src that is not a local directory is a hub repo id
+    hub_input: bool = False  # `run -i`, convert, dequant, shard, plan: a src that is not a local directory is a repo id
     overwrite: bool = False
     resume: bool = False
     dry_run: bool = False
@@ -84,6 +85,7 @@ class RunResult:
     resumed_from: int = 0  # tensors already done by an earlier, interrupted run
     already_complete: bool = False
     timings: Timings | None = None
+    download: dict | None = None  # converting from a repo id: what was fetched, how fast, the peak disk
 
     def summary(self) -> dict:
         return {
@@ -99,6 +101,7 @@ class RunResult:
             "plan_hash": self.plan.hash,
             "notes": self.plan.notes,
             **({"timing": self.timings.to_json()} if self.timings is not None else {}),
+            **({"download": self.download} if self.download is not None else {}),
         }
 
 
@@ -128,21 +131,26 @@ def run(request: Request) -> RunReport | dict:
     """Do what the request asks: with dry_run the plan report (a dict), else convert, publish and
     (with a verify stage) verify, returning the run's report."""
     recipe = request.recipe
-    src = resolve_input(recipe, request.src, quiet=request.quiet) if request.hub_input else Path(request.src)
     job = recipe.job()
+    src = resolve_input(recipe, request.src, quiet=request.quiet, stream=isinstance(job, Spec)) \
+        if request.hub_input else Path(request.src)
     if request.dry_run:
         return plan_report(src, job, recipe, request.dst)
     if request.dst is None:
         raise RecipeError("no output given", fix="pass --output DST")
     opts = ExecOptions.from_recipe(recipe.execution, overwrite=request.overwrite, resume=request.resume,
                                    quiet=request.quiet)
+    if (dl := recipe.stage("download")) is not None:
+        opts.max_input_files = dl.max_input_files
     report = RunReport(recipe.name, convert(src, request.dst, job, opts))
     verify = recipe.stage("verify")
     if verify is not None:
         from ckpttool.verify.run import run_verify  # torch loads only when a verify stage runs
 
         reference, skipped = verify.reference, None
-        if reference == INPUT:
+        if reference == INPUT and not isinstance(src, Path):
+            reference, skipped = None, "the input was streamed from the hub and deleted as it was converted"
+        elif reference == INPUT:
             reference, skipped = _input_reference(src)
         report.verify = run_verify(request.dst, reference=reference, prompt=verify.prompt,
                                    prompt_ids=verify.prompt_ids, max_new_tokens=verify.max_new_tokens,
@@ -174,11 +182,13 @@ def reports_here() -> bool:
     return world()[0] == 0
 
 
-def resolve_input(recipe: Recipe, src: str | Path | None, *, quiet: bool) -> Path:
-    """`run -i`: decided by what exists on disk and by the recipe. A local directory is used as it is;
-    a repo id is downloaded (with the recipe's download options) into the HF cache when the recipe has
-    a download stage, or when it looks like one (`namespace/name`) and nothing of that path exists
-    locally; anything else is a missing local directory, and the error says so."""
+def resolve_input(recipe: Recipe, src: str | Path | None, *, quiet: bool, stream: bool = False):
+    """An input that is a directory or a hub repo id, decided by what exists on disk and by the recipe.
+    A local directory is used as it is. A repo id is taken when the recipe has a download stage, or
+    when it looks like one (`namespace/name`) and nothing of that path exists locally; anything else
+    is a missing local directory, and the error says so. A repo id is streamed (`stream`: the job can
+    be; returns the hub.remote.RemoteRepo, planned from headers), or, with `download: {cache: true}`,
+    offline or for merge, downloaded into the HF cache first and converted from there in place."""
     if src is None:
         raise RecipeError("no input given", fix="pass --input SRC (a directory or a hub repo id)")
     text = str(src)
@@ -195,25 +205,36 @@ def resolve_input(recipe: Recipe, src: str | Path | None, *, quiet: bool) -> Pat
                          fix="check the path; a hub repo id (namespace/name) is downloaded only when no such "
                              "local path exists or the recipe has a download stage")
     from ckpttool import hub  # huggingface_hub loads only for hub inputs
+    from ckpttool.hub import remote
 
-    kwargs = dl.model_dump() if dl is not None else {}
+    dl = dl or DownloadStage()
+    if stream and not dl.cache and not remote.offline():
+        if world()[1] > 1:
+            raise RecipeError("converting straight from the hub runs in one process, not under torchrun",
+                              fix="`ckpttool download` first and convert the directory, or set download.cache: true")
+        return remote.open_repo(text, revision=dl.revision, allow_patterns=dl.allow_patterns,
+                                ignore_patterns=dl.ignore_patterns)
+    kwargs = dl.model_dump(exclude={"cache", "max_input_files"})
     return Path(hub.download_checkpoint(text, quiet=quiet, **kwargs).path)
 
 
-def plan_report(src: Path, job: Job, recipe: Recipe, dst: Path | None) -> dict:
-    """The plan, what it will write, and the disk and peak memory it needs: from headers alone."""
+def plan_report(src, job: Job, recipe: Recipe, dst: Path | None) -> dict:
+    """The plan, what it will write, and the disk and peak memory it needs: from headers alone (a
+    hub.remote.RemoteRepo's too, with the disk of streaming it and of downloading it first)."""
     budget = defaults.parse_size(recipe.execution.max_memory)
     workers = recipe.execution.workers or defaults.workers()
-    with job.open(src) as inputs:
+    streamed = not isinstance(src, Path)
+    with _open_inputs(src, job) as inputs:
         plan = job.plan(inputs)
         check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)
         task_mem = sorted((t.memory() for t in make_tasks(plan, inputs, set(), set())), reverse=True)
     peak = min(budget, sum(task_mem[:workers])) if task_mem else 0
     peak = max(peak, task_mem[0] if task_mem else 0)
     aux = len(json.dumps(plan.index or {})) + len(json.dumps(plan.config or {}))
-    aux += sum((Path(plan.src) / n).stat().st_size for n in plan.copies)
+    aux += inputs.side_bytes(plan.copies) if streamed else sum((Path(plan.src) / n).stat().st_size
+                                                                for n in plan.copies)
     free = None if dst is None else free_space(dst)
-    return {
+    report = {
         "recipe": recipe.name, "src": plan.src, "format": plan.format, "plan_hash": plan.hash,
         "files": [{"name": f.name, "tensors": len(f.tensors), "bytes": f.size} for f in plan.files],
         "tensors": plan.tensor_count, "bytes_to_write": plan.bytes_to_write,
@@ -221,12 +242,32 @@ def plan_report(src: Path, job: Job, recipe: Recipe, dst: Path | None) -> dict:
         "max_memory": budget, "peak_memory_expected": peak, "largest_task_bytes": task_mem[0] if task_mem else 0,
         "copies": plan.copies, "notes": plan.notes,
     }
+    if streamed:
+        from ckpttool.hub.schedule import stream_plan
+
+        dl = recipe.stage("download") or DownloadStage()
+        report["hub"] = stream_plan(inputs, plan, report["disk_needed"], dl.max_input_files)
+    return report
 
 
-def convert(src: Path, dst: Path, job: Job, opts: ExecOptions) -> RunResult:
-    """Plan and execute one job (a conversion or a merge). Under torchrun each rank writes its share
-    of the files; rank 0 sets up the staging directory and publishes, and the result is byte-identical."""
-    src, dst = Path(src), Path(dst)
+def _open_inputs(src, job: Job, staging_dir: Path | None = None, opts: ExecOptions | None = None):
+    """The job's inputs: a local directory, or a hub repo planned from its headers (streamed into
+    `staging_dir` when converting)."""
+    if isinstance(src, Path):
+        return job.open(src)
+    from ckpttool.hub.remote import RemoteCheckpoint
+    from ckpttool.hub.stream import StreamingCheckpoint
+
+    if staging_dir is None:
+        return RemoteCheckpoint(src, Path(src.where))
+    return StreamingCheckpoint(src, staging_dir, max_files=opts.max_input_files)
+
+
+def convert(src, dst: Path, job: Job, opts: ExecOptions) -> RunResult:
+    """Plan and execute one job (a conversion or a merge) from a directory or a hub.remote.RemoteRepo
+    (streamed). Under torchrun each rank writes its share of the files; rank 0 sets up the staging
+    directory and publishes, and the result is byte-identical."""
+    src, dst = (Path(src) if isinstance(src, (str, os.PathLike)) else src), Path(dst)
     rank, world_size = world()
     group = Group(rank, world_size)
     locks: list[DestinationLock] = []  # rank 0's lock on DST, held until it has published (or failed)
@@ -243,24 +284,29 @@ def convert(src: Path, dst: Path, job: Job, opts: ExecOptions) -> RunResult:
     return result
 
 
-def _convert(src: Path, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: list) -> RunResult:
+def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: list) -> RunResult:
     started = time.monotonic()
     clock = Timings()
-    with job.open(src) as inputs, clock.phase("total"):
+    streamed = not isinstance(src, Path)  # a hub.remote.RemoteRepo, fetched into DST's staging area
+    local_src = None if streamed else src
+    download = None
+    with _open_inputs(src, job, dst / PARTIAL_DIR, opts) as inputs, clock.phase("total"):
+        src = inputs.root  # where the files are read (streamed: DST/.ckpttool-partial/input)
         staging, setup_error, complete = None, None, False
         plan = None
         try:
             if group.rank == 0:  # one run per DST; a refusal reaches every rank like any set-up error
-                check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)  # before DST is created
+                check_destination(local_src, dst, overwrite=opts.overwrite, resume=opts.resume)  # before DST is made
                 locks.append(DestinationLock(dst))
-                check_destination(src, dst, overwrite=opts.overwrite, resume=opts.resume)  # as the lock found it
+                check_destination(local_src, dst, overwrite=opts.overwrite, resume=opts.resume)  # as the lock found it
             with clock.phase("plan"):
                 plan = job.plan(inputs)
             check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)
             if group.rank == 0:
-                check_outside(dst, inputs.paths() + [src / n for n in plan.copies])
+                check_outside(dst, inputs.paths() + ([] if streamed else [src / n for n in plan.copies]))
                 complete = already_complete(dst, plan.hash, opts.resume)
-                copies = sum(os.stat(src / n).st_size for n in plan.copies if (src / n).exists())
+                copies = (inputs.side_bytes(plan.copies) + inputs.disk_reserve(plan) if streamed else
+                          sum(os.stat(src / n).st_size for n in plan.copies if (src / n).exists()))
                 if not complete and not (opts.resume and (dst / PARTIAL_DIR).exists()):  # before writing
                     check_free_space(dst, sum(f.size for f in plan.files) + copies + SPACE_MARGIN)
                 if not complete:
@@ -284,9 +330,13 @@ def _convert(src: Path, dst: Path, job: Job, opts: ExecOptions, group: Group, lo
                 check_free_space(dst, todo + copies + SPACE_MARGIN)
             label = job.label if group.world_size == 1 else f"rank {group.rank}/{group.world_size}"
             with Progress(todo, label, quiet=opts.quiet) as progress, clock.phase("execute"):
+                if streamed:
+                    inputs.start(progress.add_row("downloading", inputs.plan_fetches(staging, mine)))
                 execute(plan, inputs, staging, max_memory=opts.max_memory, workers=opts.workers,
                         device=opts.device, progress=progress.advance, files=mine, chunk_bytes=opts.chunk_bytes,
                         wait_for_cuda=opts.wait_for_cuda)
+                if streamed:
+                    download = inputs.finish()
             with clock.phase("hash_wait"):
                 staging.save_digests()
             ok = True
@@ -303,4 +353,5 @@ def _convert(src: Path, dst: Path, job: Job, opts: ExecOptions, group: Group, lo
         finally:
             staging.close()
         group.all_ok(True)  # nobody returns before the output is published
-    return RunResult(plan, dst, time.monotonic() - started, todo, resumed_from=resumed, timings=clock)
+    return RunResult(plan, dst, time.monotonic() - started, todo, resumed_from=resumed, timings=clock,
+                     download=download)

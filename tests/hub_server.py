@@ -10,7 +10,8 @@ download (read from its installed source):
 
 It never advertises Xet (no X-Xet-Hash, no xetHash), so the client stays on plain HTTP. Faults are
 switched on per file: cut a transfer at a byte offset, stall it until released, serve corrupt bytes,
-ignore Range. Every request is logged; unknown paths answer 404 and are listed in `unknown`.
+ignore Range; `throttle` caps the rate of all transfers together. Every request is logged; unknown
+paths answer 404 and are listed in `unknown`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -102,6 +104,8 @@ class HubServer:
         self._release = threading.Event()
         self._faults = _Faults()
         self._lock = threading.Lock()
+        self._rate: float | None = None  # bytes/s over all transfers together (throttle)
+        self._next_send = 0.0
         handler = type("Handler", (_Handler,), {"hub": self})
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
@@ -145,6 +149,21 @@ class HubServer:
         """Flip one byte of `path` at `offset` in the next `times` GETs (None: every GET); size unchanged."""
         with self._lock:
             self._faults.corrupt[path] = [offset, times]
+
+    def throttle(self, bytes_per_s: float | None) -> None:
+        """Send file bodies at most this fast, all connections together (a link of that speed); None: no limit."""
+        with self._lock:
+            self._rate, self._next_send = bytes_per_s, time.monotonic()
+
+    def _pace(self, n: int) -> None:
+        with self._lock:
+            if self._rate is None:
+                return
+            now = time.monotonic()
+            at = max(now, self._next_send)
+            self._next_send = at + n / self._rate
+        if at > now:
+            time.sleep(at - now)
 
     def ignore_range(self, ignore: bool = True) -> None:
         with self._lock:
@@ -314,6 +333,7 @@ class _Handler(BaseHTTPRequestHandler):
         view = memoryview(data)[start:last]
         try:
             for i in range(0, len(view), 64 * 1024):
+                self.hub._pace(len(view[i:i + 64 * 1024]))
                 self.wfile.write(view[i:i + 64 * 1024])
                 self.req.sent += len(view[i:i + 64 * 1024])
             self.wfile.flush()

@@ -170,4 +170,4 @@ def test_verbose_shows_the_traceback_and_where_the_time_went(tiny_v3, tmp_path):
     with pytest.raises(InputError):  # re-raised, so the traceback shows
         run_cli("-v", "convert", tmp_path / "missing", tmp_path / "c")
     plain = run_cli("convert", tmp_path / "missing", tmp_path / "c", check=False)
-    assert plain.returncode == 1 and "Traceback" not in plain.stderr and "error: checkpoint directory" in plain.stderr
+    assert plain.returncode == 1 and "Traceback" not in plain.stderr and "error: input directory does not exist" in plain.stderr

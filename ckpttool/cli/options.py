@@ -22,7 +22,8 @@ def require_torch(what: str, extra: str) -> None:
 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output; errors are still printed.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one machine-readable JSON object on stdout.")]
-Src = Annotated[Path, typer.Argument(help="Input checkpoint directory (HF layout: *.safetensors + config.json).")]
+Src = Annotated[Path, typer.Argument(help="Input checkpoint directory (HF layout: *.safetensors + config.json), or a "
+                                          "hub repo id (namespace/name) to convert straight from the hub.")]
 Dst = Annotated[Path, typer.Argument(help="Output directory; must be empty or absent (see --overwrite/--resume).")]
 Mp = Annotated[Optional[int], typer.Option("--mp", min=1, help="Model-parallel ranks: write model{i}-mp{N}.safetensors.")]
 Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda: where dequant runs, the same bits on each. auto: the CPU (numpy, "
@@ -31,6 +32,9 @@ MaxMemory = Annotated[Optional[str], typer.Option(
     "--max-memory", help=f"Memory budget for tensors in flight, e.g. 8GiB (default {defaults.MAX_MEMORY}).")]
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", min=1, help=f"Parallel tensor workers (default: cores, at most {defaults.MAX_WORKERS}).")]
+MaxInputFiles = Annotated[Optional[int], typer.Option(
+    "--max-input-files", min=1, help="Input from a hub repo id: files on disk at once, each deleted once converted "
+                                     f"(default {defaults.MAX_INPUT_FILES}; raised where the plan needs more at once).")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace ckpttool output already in DST.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in DST; byte-identical result.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit; reads no weights.")]

@@ -19,6 +19,7 @@ from ckpttool.cli.options import (
     Dst,
     Json,
     KeepMtp,
+    MaxInputFiles,
     MaxMemory,
     Mp,
     Overwrite,
@@ -76,6 +77,8 @@ def _print_result(report: RunReport) -> None:
           f"in {result.seconds:.2f}s ({result.summary()['gb_per_s']:.2f} GB/s)")
     if result.resumed_from:
         print(f"resumed: {result.resumed_from} tensors were already done")
+    if result.download is not None:
+        print(_download_line(result.download))
     for note in result.plan.notes:
         print(f"  - {note}")
     if report.verify is not None:  # each check and what it found, not just the verdict
@@ -101,29 +104,55 @@ def _print_plan(rep: dict, as_json: bool) -> None:
     print(f"disk needed: {rep['disk_needed'] / 1e9:.3f} GB{free}")
     print(f"memory: budget {rep['max_memory'] / 2**30:.2f} GiB, expected peak for tensors in flight "
           f"{rep['peak_memory_expected'] / 2**30:.3f} GiB (largest task {rep['largest_task_bytes'] / 2**20:.1f} MiB)")
+    if rep.get("hub"):
+        print(_hub_plan_lines(rep["hub"]))
     if rep["copies"]:
         print(f"copied unchanged: {', '.join(rep['copies'])}")
     for note in rep["notes"]:
         print(f"  - {note}")
 
 
+def _download_line(d: dict) -> str:
+    rate = f" at {d['download_gb_per_s']:.2f} GB/s" if d["download_gb_per_s"] else ""
+    line = (f"streamed from {d['repo_id']}: fetched {d['files_fetched']} files, {d['bytes_fetched'] / 1e9:.3f} GB{rate}; "
+            f"peak disk {d['peak_disk_bytes'] / 1e9:.3f} GB (at most {d['max_input_files']} input files at once)")
+    if d["files_in_place"]:
+        line += f"; {len(d['files_in_place'])} files read in place from the HF cache"
+    if d["refetched"]:
+        line += f"; re-fetched after a failed check: {', '.join(d['refetched'])}"
+    return line
+
+
+def _hub_plan_lines(h: dict) -> str:
+    eta = f", about {h['expected_download_seconds']:.0f}s at the measured {h['download_rate'] / 1e6:.0f} MB/s" \
+        if h["download_rate"] else ""
+    return "\n".join([
+        f"from {h['repo_id']} (commit {h['commit'][:12]}): {h['input_files']} input files, "
+        f"{h['bytes_to_fetch'] / 1e9:.3f} GB to fetch{eta}",
+        f"disk needed streaming (output + at most {h['max_input_files']} input files): "
+        f"{h['disk_needed_streaming'] / 1e9:.3f} GB; downloading first: {h['disk_needed_download_first'] / 1e9:.3f} GB"])
+
+
 def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None, max_memory: MaxMemory = None,
-            workers: Workers = None, device: Device = defaults.DEVICE, overwrite: Overwrite = False,
-            resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
+            workers: Workers = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
+            overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
+            json_: Json = False) -> None:
     """FP8 HF checkpoint -> BF16 HF checkpoint (index, config and tokenizer rewritten/copied).
 
     Example: ckpttool dequant ./DeepSeek-V3 ./DeepSeek-V3-bf16
     """
     if not _dequant_flag(dtype, True):
         raise RecipeError("dequant writes bf16; --dtype fp8 would be a plain copy", fix="use --dtype bf16")
-    recipe = preset("dequant", dequant=True, keep_mtp=keep_mtp, max_memory=max_memory, workers=workers, device=device)
-    _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run)
+    recipe = preset("dequant", dequant=True, keep_mtp=keep_mtp, max_memory=max_memory, workers=workers, device=device,
+                    max_input_files=max_input_files)
+    _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
+             hub_input=True)
 
 
 def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, help="Model-parallel ranks.")],
           dtype: DtypeOpt = None, keep_mtp: KeepMtp = None, max_memory: MaxMemory = None, workers: Workers = None,
-          device: Device = defaults.DEVICE, overwrite: Overwrite = False, resume: Resume = False,
-          dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
+          device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None, overwrite: Overwrite = False,
+          resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """HF checkpoint -> model{i}-mp{N}.safetensors shards (FP8 kept unless --dtype bf16).
 
     The reference DeepSeek layout (or the family's own mp layout); FP8 weights stay FP8 with split
@@ -132,31 +161,40 @@ def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, hel
     Example: ckpttool shard ./DeepSeek-V3 ./DeepSeek-V3-mp8 --mp 8
     """
     recipe = preset("shard", dequant=_dequant_flag(dtype, False), mp=mp, keep_mtp=keep_mtp, max_memory=max_memory,
-                    workers=workers, device=device)
-    _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run)
+                    workers=workers, device=device, max_input_files=max_input_files)
+    _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
+             hub_input=True)
 
 
 def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None,
             verify: VerifyOpt = False, max_memory: MaxMemory = None, workers: Workers = None,
-            device: Device = defaults.DEVICE, overwrite: Overwrite = False, resume: Resume = False,
-            dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
+            device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None, overwrite: Overwrite = False,
+            resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """All stages fused in one pass: FP8 HF straight to BF16 mp shards, no intermediate copy.
 
+    From a hub repo id the input streams through DST: each file is fetched in the order the
+    conversion reads it, verified, converted and deleted, so the disk holds the output and at most
+    --max-input-files input files. Files already in the HF cache are read there, in place.
+
     Example: ckpttool convert ./DeepSeek-V3 ./DeepSeek-V3-mp8-bf16 --mp 8 --dtype bf16 --verify
+
+    Example: ckpttool convert deepseek-ai/DeepSeek-V3 ./v3-mp8 --mp 8 --max-input-files 2
     """
     if verify and mp is None:
         raise RecipeError("--verify loads model-parallel shards", fix="add --mp N")
     if verify:
         require_torch("convert --verify", "verify")
-    recipe = _convert_recipe("convert", mp, dtype, keep_mtp, device if verify else None, max_memory, workers, device)
-    _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run)
+    recipe = _convert_recipe("convert", mp, dtype, keep_mtp, device if verify else None, max_memory, workers, device,
+                             max_input_files)
+    _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
+             hub_input=True)
 
 
 def _convert_recipe(name: str, mp: int | None, dtype: str | None, keep_mtp: bool | None, verify_device: str | None,
-                    max_memory: str | None, workers: int | None, device: str) -> Recipe:
+                    max_memory: str | None, workers: int | None, device: str, max_input_files: int | None) -> Recipe:
     """convert's flags as a recipe; `plan` takes the same flags and defaults, so it previews convert."""
     return preset(name, dequant=_dequant_flag(dtype, True), mp=mp, keep_mtp=keep_mtp, verify_device=verify_device,
-                  max_memory=max_memory, workers=workers, device=device)
+                  max_memory=max_memory, workers=workers, device=device, max_input_files=max_input_files)
 
 
 def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.safetensors shards and config.json.")],
@@ -198,16 +236,22 @@ def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output di
          mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None,
          recipe_path: Annotated[Optional[str], typer.Option(
              "--recipe", help="Plan a recipe (a file or a bundled recipe's name) instead of flags.")] = None,
-         set_: SetOpt = None, max_memory: MaxMemory = None, workers: Workers = None, json_: Json = False) -> None:
+         set_: SetOpt = None, max_memory: MaxMemory = None, workers: Workers = None,
+         max_input_files: MaxInputFiles = None, json_: Json = False) -> None:
     """Print what `convert` with the same flags would write, from headers alone.
 
     The same flags and defaults as convert (BF16 unless --dtype fp8; `convert ... --dry-run` prints the
-    same plan): files, tensors, bytes to write, disk and memory needed. Reads no weights.
+    same plan): files, tensors, bytes to write, disk and memory needed. Reads no weights. For a hub
+    repo id the headers come by range requests: also the disk of streaming the input and of
+    downloading it first, and the expected download time at a measured rate.
 
     Example: ckpttool plan ./DeepSeek-V3 --mp 8            (what `ckpttool convert ./DeepSeek-V3 out --mp 8` writes)
+
+    Example: ckpttool plan deepseek-ai/DeepSeek-V3 --mp 8  (from the hub, before downloading anything)
     """
     if recipe_path is not None:
         recipe = load_recipe(recipe_path, set_ or [])
     else:
-        recipe = _convert_recipe("plan", mp, dtype, keep_mtp, None, max_memory, workers, defaults.DEVICE)
-    _execute(recipe, src, dst, as_json=json_, dry_run=True)
+        recipe = _convert_recipe("plan", mp, dtype, keep_mtp, None, max_memory, workers, defaults.DEVICE,
+                                 max_input_files)
+    _execute(recipe, src, dst, as_json=json_, dry_run=True, hub_input=True)

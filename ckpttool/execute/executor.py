@@ -109,7 +109,9 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
         nonlocal pending_bytes, last_commit
         if not in_flight:
             return
-        finished, _ = wait(list(in_flight), timeout=None if block else 0, return_when=FIRST_COMPLETED)
+        # a blocking wait still wakes to commit on time: a task may be waiting for an input file
+        # (hub/stream.py) that only a commit of the tasks before it frees room for
+        finished, _ = wait(list(in_flight), timeout=COMMIT_EVERY_SECONDS if block else 0, return_when=FIRST_COMPLETED)
         for fut in finished:
             task, held = in_flight.pop(fut)
             budget.release(held)

@@ -14,6 +14,7 @@ import stat
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 from ckpttool import faults
 from ckpttool.errors import OutputError
@@ -73,6 +74,8 @@ class Staging:
         self._hash_pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1, max(1, len(plan.files))),
                                              thread_name_prefix="ckpttool-hash")
         self._hashers: dict[str, PrefixHasher] = {}
+        self.on_commit: Callable[[list[tuple[str, str]]], None] | None = None
+        """told of every batch once it is journalled (hub/stream.py deletes the inputs nothing needs any more)"""
 
     def _check_resumable(self, plan_path: Path, inputs: dict | None) -> None:
         """The interrupted run planned the same thing from the same input bytes (by each input file's
@@ -192,6 +195,8 @@ class Staging:
         self._journal.flush()
         os.fsync(self._journal.fileno())
         self.done.update(entries)
+        if self.on_commit is not None:
+            self.on_commit(entries)
 
     def written(self, file: str, start: int, end: int) -> None:
         """Bytes [start, end) of `file` hold their final contents (feeds the running hash)."""

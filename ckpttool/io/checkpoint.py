@@ -39,6 +39,7 @@ MAX_INDEX_BYTES = 256 * 1024 * 1024  # DeepSeek-V3's index is ~9 MB for 92k tens
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 FINGERPRINT_SAMPLES, FINGERPRINT_BLOCK = 16, 4096  # 17 reads of 4 KiB per input file: cheap even on a cold disk
 _FIX_INDEX = "the index is corrupt or hostile; re-download model.safetensors.index.json"
+_FIX_CONFIG = "fix or re-download config.json (it must be one JSON object)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +56,12 @@ class ShardFiles:
 
     The base of Checkpoint, and on its own the input of `merge`, whose mp shards repeat tensor names."""
 
+    local = True
+    """the files are in `root` now (hub.remote.RemoteCheckpoint: headers from the hub, files later)"""
+
     def __init__(self, root: Path | str, names: tuple[str, ...] | list[str] = ()):
         self.root = Path(root)
-        if not self.root.is_dir():
+        if self.local and not self.root.is_dir():
             raise InputError("checkpoint directory does not exist", file=self.root,
                              fix="pass a directory holding *.safetensors (and config.json)")
         self.files: dict[str, SafetensorsFile] = {}
@@ -67,8 +71,18 @@ class ShardFiles:
             self._add_file(fname)
 
     def _add_file(self, fname: str) -> SafetensorsFile:
-        sf = self.files[fname] = read_header(self.root / fname)
+        sf = self.files[fname] = self._header(fname)
         return sf
+
+    def _header(self, fname: str) -> SafetensorsFile:
+        return read_header(self.root / fname)
+
+    def header_fingerprint(self, fname: str) -> dict:
+        """Its size and the sha256 of its header: what a plan records of each input file."""
+        sf = self.files[fname]
+        with open(sf.path, "rb") as f:
+            header = f.read(sf.data_start)
+        return {"size": sf.path.stat().st_size, "header_sha256": hashlib.sha256(header).hexdigest()}
 
     def fd(self, fname: str) -> int:
         """A read-only descriptor for one shard, opened once and shared (pread is thread-safe)."""
@@ -127,15 +141,26 @@ class Checkpoint(ShardFiles):
         super().__init__(root)
         self.tensors: dict[str, SourceTensor] = {}
         index_path = self.root / INDEX_NAME
-        if os.path.lexists(index_path):  # a dangling symlink is an error below, not "no index"
+        if self._has(INDEX_NAME):  # a dangling symlink is an error below, not "no index"
             self._load_indexed(index_path)
         else:
             self._load_glob()
         self.config = self._load_config()
 
+    # -- where the side files come from: the directory (hub.remote.RemoteCheckpoint: the hub) ------
+    def _has(self, name: str) -> bool:
+        return os.path.lexists(self.root / name)
+
+    def _json(self, name: str, what: str, cap: int, fix: str, tensor_at=None) -> object:
+        return _read_json(self.root / name, what, cap, fix, tensor_at=tensor_at)
+
+    def top_level_files(self) -> list[str]:
+        """Names of the regular files beside the weights (what a conversion may copy)."""
+        return [p.name for p in sorted(self.root.iterdir()) if p.is_file()]
+
     # -- loading -----------------------------------------------------------------------------------
     def _load_indexed(self, index_path: Path) -> None:
-        index = _read_json(index_path, "index", MAX_INDEX_BYTES, _FIX_INDEX,
+        index = self._json(INDEX_NAME, "index", MAX_INDEX_BYTES, _FIX_INDEX,
                            tensor_at=lambda path, key: key if path == ("weight_map",) else None)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
@@ -177,8 +202,7 @@ class Checkpoint(ShardFiles):
             raise InputError(f"index points at {printable(fname)!r}, which is not a plain path inside the checkpoint "
                              "directory", file=index_path,
                              fix="the index is corrupt or hostile; shard names must be relative, without '..' or '.'")
-        path = self.root / fname
-        if not path.exists():
+        if not self._has(fname):
             raise InputError(f"index names shard {fname!r}, which is missing", file=index_path,
                              fix="finish the download (or re-download) so every shard is present")
         return fname
@@ -194,8 +218,10 @@ class Checkpoint(ShardFiles):
         return sf
 
     def _load_config(self) -> dict:
-        path = self.root / "config.json"
-        return read_config(path) if os.path.lexists(path) else {}
+        if not self._has("config.json"):
+            return {}
+        return _config_object(self._json("config.json", "config.json", MAX_CONFIG_BYTES, _FIX_CONFIG),
+                              self.root / "config.json")
 
     def split(self, name: str, parts: list[tuple[str, tuple[int, ...]]]) -> None:
         """Read one tensor as consecutive parts of its bytes (C order), each under its own name and
@@ -256,11 +282,12 @@ def read_config(path: Path, *, missing_fix: str = "copy the checkpoint's config.
     """A config.json, strictly: present, a regular file of bounded size, one JSON object."""
     if not os.path.lexists(path):
         raise InputError("config.json is missing", file=path, fix=missing_fix)
-    config = _read_json(path, "config.json", MAX_CONFIG_BYTES,
-                        "fix or re-download config.json (it must be one JSON object)")
+    return _config_object(_read_json(path, "config.json", MAX_CONFIG_BYTES, _FIX_CONFIG), path)
+
+
+def _config_object(config: object, path: Path) -> dict:
     if not isinstance(config, dict):
-        raise InputError(f"config.json is a JSON {type(config).__name__}, not an object", file=path,
-                         fix="fix or re-download config.json (it must be one JSON object)")
+        raise InputError(f"config.json is a JSON {type(config).__name__}, not an object", file=path, fix=_FIX_CONFIG)
     return config
 
 

@@ -24,6 +24,8 @@ CONFIG_NAME = "config.json"
 PLAN_FILE = "plan.json"
 """in the staging dir: the plan hash, the plan and the inputs' fingerprint, for --resume"""
 JOURNAL = "journal.jsonl"
+STREAM_INPUT, STREAM_FETCH = "input", "fetch"
+"""in the staging dir, converting straight from the hub: verified input files, and files being fetched"""
 OWN_NAMES = frozenset({MANIFEST, PARTIAL_DIR, INDEX_NAME, CONFIG_NAME})
 """names in DST that ckpttool itself writes, whatever the plan says"""
 OUTPUT_SUFFIX = ".safetensors"

@@ -178,22 +178,35 @@ def read_header(path: Path | str, *, max_header_bytes: int = MAX_HEADER_BYTES) -
         size = st.st_size
         with open(path, "rb") as f:
             head = f.read(8)
-            if len(head) < 8:
-                raise InputError(f"file is {size} bytes, shorter than the 8-byte header length", file=path,
-                                 fix="the file is truncated; re-download it")
-            (header_size,) = struct.unpack("<Q", head)
-            if header_size > max_header_bytes:
-                raise InputError(f"header length {header_size} exceeds the {max_header_bytes}-byte cap", file=path,
-                                 fix=_REDOWNLOAD)
-            if 8 + header_size > size:
-                raise InputError(f"header length {header_size} runs past the end of the {size}-byte file",
-                                 file=path, fix="the file is truncated; re-download it")
+            header_size = header_length(head, size, path, max_header_bytes)
             raw = f.read(header_size)
     except OSError as exc:
         raise InputError(f"cannot read: {exc.strerror or exc}", file=path,
                          fix="check that the file exists and is readable") from None
     if len(raw) != header_size:
         raise InputError("file shrank while its header was read", file=path, fix="wait for the download to finish")
+    return parse_header(raw, size, path)
+
+
+def header_length(head: bytes, size: int, path: object, max_header_bytes: int = MAX_HEADER_BYTES) -> int:
+    """The JSON header's length from a file's first 8 bytes, checked against the cap and the file's size."""
+    if len(head) < 8:
+        raise InputError(f"file is {size} bytes, shorter than the 8-byte header length", file=path,
+                         fix="the file is truncated; re-download it")
+    (header_size,) = struct.unpack("<Q", head[:8])
+    if header_size > max_header_bytes:
+        raise InputError(f"header length {header_size} exceeds the {max_header_bytes}-byte cap", file=path,
+                         fix=_REDOWNLOAD)
+    if 8 + header_size > size:
+        raise InputError(f"header length {header_size} runs past the end of the {size}-byte file",
+                         file=path, fix="the file is truncated; re-download it")
+    return header_size
+
+
+def parse_header(raw: bytes, size: int, path: Path) -> SafetensorsFile:
+    """The checks of read_header on a header already in memory (`raw`: the JSON after the 8-byte
+    length) of a file of `size` bytes: how a header fetched by a range request is read."""
+    header_size = len(raw)
     if not raw.startswith(b"{"):  # every writer emits '{' first; a BOM or leading junk means another format
         raise InputError(f"header does not start with '{{' (starts with {_short(raw[:8])})", file=path,
                          fix=_REDOWNLOAD)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 from pathlib import Path
@@ -105,17 +104,12 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     if spec.quantize is not None:
         config = quantized_config(config, spec.quantize, spec.group_size)
     return Plan(src=str(ckpt.root), files=files, inputs=input_fingerprints(ckpt), format=fmt, index=index,
-                config=config, copies=files_to_copy(ckpt.root), notes=notes)
+                config=config, copies=files_to_copy(ckpt.root, ckpt.top_level_files()), notes=notes)
 
 
 def input_fingerprints(inputs: ShardFiles) -> dict[str, dict]:
     """input file name -> its size and the sha256 of its header: what --resume checks is unchanged."""
-    out = {}
-    for name, sf in sorted(inputs.files.items()):
-        with open(sf.path, "rb") as f:
-            header = f.read(sf.data_start)
-        out[name] = {"size": sf.path.stat().st_size, "header_sha256": hashlib.sha256(header).hexdigest()}
-    return out
+    return {name: inputs.header_fingerprint(name) for name in sorted(inputs.files)}
 
 
 def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoint) -> None:

@@ -32,12 +32,10 @@ def hf_index(files: list[OutFile]) -> dict:
     return {"metadata": {"total_size": total, "format": "pt"}, "weight_map": dict(sorted(weight_map.items()))}
 
 
-def files_to_copy(src: Path) -> list[str]:
+def files_to_copy(src: Path, names: list[str] | None = None) -> list[str]:
     """Top-level files a loader needs beside the weights (tokenizer, generation config, chat
-    templates, remote code, license): everything except weights and what the plan rewrites."""
-    keep = []
-    for p in sorted(src.iterdir()):
-        if not p.is_file() or p.name.startswith(".") or p.name in _HANDLED or p.name.endswith(_WEIGHT_SUFFIXES):
-            continue
-        keep.append(p.name)
-    return keep
+    templates, remote code, license): everything except weights and what the plan rewrites.
+    `names`: the regular files at the top of `src`, where they are known without listing it (a hub repo)."""
+    if names is None:
+        names = [p.name for p in sorted(src.iterdir()) if p.is_file()]
+    return [n for n in sorted(names) if not (n.startswith(".") or n in _HANDLED or n.endswith(_WEIGHT_SUFFIXES))]

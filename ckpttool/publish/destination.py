@@ -46,11 +46,12 @@ def check_outside(dst: Path, inputs: list[Path]) -> None:
                               fix="choose an output directory that holds none of the input's files")
 
 
-def check_destination(src: Path, dst: Path, *, overwrite: bool, resume: bool) -> None:
+def check_destination(src: Path | None, dst: Path, *, overwrite: bool, resume: bool) -> None:
     """Refuse anything that could lose what the user has: writing into SRC (by path, symlink or bind
     mount: device and inode), or into a non-empty DST without --overwrite / --resume. --resume where
-    nothing was started (no staging dir, no manifest) simply starts."""
-    if src.exists():
+    nothing was started (no staging dir, no manifest) simply starts. `src` None: the input streams
+    from the hub into DST's own staging area."""
+    if src is not None and src.exists():
         src_id = _ids(src)[0]
         if src_id in _ids(existing_ancestor(dst)) or (dst.exists() and _ids(dst)[0] in _ids(src)):
             raise OutputError(f"output {dst} overlaps input {src}", fix="choose an output directory outside the input")

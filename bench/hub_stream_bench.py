@@ -1,0 +1,87 @@
+"""Overlap of downloading and converting (issue 19): `convert REPO_ID` against the same checkpoint's
+download and conversion run separately, through the project's hub server on 127.0.0.1 (tests/hub_server.py)
+and the real huggingface_hub client, with the server throttled to a link speed.
+
+    A = `ckpttool download REPO DIR`        (the link alone)
+    B = `ckpttool convert DIR OUT --mp N`   (the conversion alone, input in the page cache)
+    C = `ckpttool convert REPO OUT --mp N`  (streamed: at most --max-input-files files on disk)
+
+The target is C <= 1.2 x max(A, B). `--rate 0` throttles to input bytes / B, where download and
+conversion take as long as each other: the case overlap has to earn most. Example:
+
+    python bench/make_synthetic.py --out /tmp/syn --layers 1 --experts 8 --shards 4 --vocab 4096
+    PYTHONPATH=. python bench/hub_stream_bench.py --src /tmp/syn --work /tmp/hubbench --mp 8 --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from hub_server import HubServer, load_repo  # noqa: E402
+from test_download import hub_env  # noqa: E402
+
+
+def timed(env: dict, *args) -> tuple[float, dict | None]:
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)], env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t
+    if done.returncode != 0:
+        sys.exit(f"ckpttool {' '.join(map(str, args))} failed:\n{done.stderr}")
+    return seconds, (json.loads(done.stdout) if "--json" in args else None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--src", type=Path, required=True, help="checkpoint directory the hub serves")
+    p.add_argument("--work", type=Path, required=True, help="scratch directory (emptied)")
+    p.add_argument("--mp", type=int, default=8)
+    p.add_argument("--rate", type=float, default=0, help="MB/s the hub sends at; 0: input bytes / conversion time")
+    p.add_argument("--max-input-files", type=int, default=2)
+    p.add_argument("--reps", type=int, default=2)
+    a = p.parse_args()
+    shutil.rmtree(a.work, ignore_errors=True)
+    a.work.mkdir(parents=True)
+    convert = ("--mp", a.mp, "--device", "cpu", "--json")
+    size = sum(f.stat().st_size for f in a.src.glob("*.safetensors"))
+    rows = []
+    with HubServer([load_repo("bench/syn", a.src)]) as hub:
+        env = {**hub_env(hub.url, a.work / "home"), "PYTHONPATH": str(REPO)}
+        for rep in range(a.reps):
+            dl, out = a.work / "dl", a.work / "out"
+            hub.throttle(None)
+            timed(env, "download", "bench/syn", dl, "-q")  # unthrottled: B's input, warm in the page cache
+            b, _ = timed(env, "convert", dl, out, *convert)
+            shutil.rmtree(out)
+            rate = a.rate * 1e6 if a.rate else size / b
+            hub.throttle(rate)
+            shutil.rmtree(dl)
+            a_s, _ = timed(env, "download", "bench/syn", dl, "-q")
+            shutil.rmtree(dl)
+            c, report = timed(env, "convert", "bench/syn", out, *convert, "--max-input-files", a.max_input_files)
+            shutil.rmtree(out)
+            d = report["download"]
+            rows.append({"rep": rep, "input_gb": size / 1e9, "rate_mb_s": rate / 1e6, "A_download_s": a_s,
+                         "B_convert_s": b, "C_stream_s": c, "ratio": c / max(a_s, b),
+                         "peak_disk_gb": d["peak_disk_bytes"] / 1e9, "output_gb": report["bytes_written"] / 1e9,
+                         "largest_input_gb": max(f.stat().st_size for f in a.src.glob("*.safetensors")) / 1e9})
+            print(json.dumps(rows[-1]), flush=True)
+    print("| rep | input GB | link MB/s | A download s | B convert s | C streamed s | C / max(A, B) | peak disk GB "
+          "(output GB + largest input GB) |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['rep']} | {r['input_gb']:.2f} | {r['rate_mb_s']:.0f} | {r['A_download_s']:.2f} | {r['B_convert_s']:.2f} "
+              f"| {r['C_stream_s']:.2f} | **{r['ratio']:.2f}** | {r['peak_disk_gb']:.2f} ({r['output_gb']:.2f} + "
+              f"{r['largest_input_gb']:.2f}) |")
+
+
+if __name__ == "__main__":
+    main()
