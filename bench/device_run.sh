@@ -10,10 +10,12 @@ set -u
 OUT=${OUT:-/tmp/out17}; mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
 python3 -V; nproc; free -g | head -2; df -h /dev/shm | tail -1; nvidia-smi -L; uptime
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site bench/_whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site bench/_whl/*.whl $(ls bench/_whl_llvm/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import numpy, numba, blake3, torch, triton; print('numpy', numpy.__version__, 'numba', numba.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
-BASE=/tmp/base17; rm -rf $BASE; mkdir -p $BASE && git archive 7b674de ckpttool | tar -x -C $BASE || exit 1
+BASE=/tmp/base17; rm -rf $BASE; mkdir -p $BASE
+# the device copy of the tree may have no git history: a tarball of the baseline beside the script wins
+if [ -f bench/base17.tar.gz ]; then tar -xzf bench/base17.tar.gz -C $BASE; else git archive 7b674de ckpttool | tar -x -C $BASE; fi || exit 1
 S=/dev/shm/v3syn
 t0=$(date +%s.%N)
 [ -d $S ] || python3 -m bench.make_synthetic --out $S --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
