@@ -29,7 +29,7 @@ from ckpttool.formats import QuantFormat
 from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.timing import Timings
 
-_FIX = "install Triton for your CUDA torch (pip install -e '.[gpu]'), or pass --device cpu (the same bits)"
+_FIX = "install Triton for your CUDA torch (pip install 'ckpttool[triton]'), or pass --device cpu (the same bits)"
 
 
 class CudaTransforms:

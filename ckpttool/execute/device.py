@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ckpttool.dtypes import torch_installed
 from ckpttool.errors import InputError
 
 AUTO_CPU_MIN_CORES = 8
@@ -36,4 +37,8 @@ def resolve_device(device: str) -> str:
         return "auto" if few_cores and gpu_present() else "cpu"
     if device.startswith("cuda") and not gpu_present():
         raise no_cuda()
+    if device.startswith("cuda") and not torch_installed():
+        raise InputError("--device cuda needs torch and Triton, which the core install leaves out",
+                         fix="pip install 'ckpttool[triton]' (after your CUDA build of torch), or use --device cpu "
+                             "(the same bits)")
     return device
