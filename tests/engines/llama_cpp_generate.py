@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -68,9 +69,14 @@ def convert(model: str, out: str) -> None:
 
 def generate(gguf_path: str, prompt: list[int], new_tokens: int) -> list[int]:
     import numpy as np
+    import llama_cpp
     from llama_cpp import Llama
 
-    llm = Llama(model_path=gguf_path, n_ctx=64, n_batch=64, n_threads=os.cpu_count() or 1, seed=0, verbose=False)
+    # logits_all: llama-cpp-python keeps `scores` only then; the KV cache in f32 too (its default, f16, moves
+    # logits by ~1e-3, enough to flip a near-tie against transformers' float32)
+    f32 = llama_cpp.GGML_TYPE_F32
+    llm = Llama(model_path=gguf_path, n_ctx=64, n_batch=64, n_threads=os.cpu_count() or 1, seed=0, logits_all=True,
+                type_k=f32, type_v=f32, verbose=False)
     try:
         llm.eval(prompt)
         ids = []
@@ -92,7 +98,11 @@ def main(jobs_path: str, results_path: str) -> None:
         try:
             if os.path.exists(job["gguf"]):
                 os.remove(job["gguf"])
-            convert(job["model"], job["gguf"])
+            # each conversion in a fresh process: the converter keeps state in its module and classes
+            proc = subprocess.run([sys.executable, __file__, "--convert", job["model"], job["gguf"]],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(f"convert_hf_to_gguf.py exited {proc.returncode}: {proc.stderr[-3000:]}")
             stage = "run"
             results[job["name"]] = {"ids": generate(job["gguf"], job["prompt"], job["new_tokens"])}
         except BaseException as exc:  # SystemExit from the converter too: reported per job
@@ -104,4 +114,7 @@ def main(jobs_path: str, results_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "--convert":
+        convert(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])

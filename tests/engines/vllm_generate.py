@@ -22,14 +22,18 @@ def generate(job: dict, dtype: str = "float32") -> list[int]:
     # float32 as transformers' oracle; no tokenizer (ids in, ids out); eager: no torch.compile start-up
     # one process for everything (uni executor, VLLM_ENABLE_V1_MULTIPROCESSING=0 from the caller): every
     # process vLLM spawns imports it again, a minute each on 2 cores
-    llm = LLM(model=job["model"], dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=64,
-              max_num_seqs=1, seed=0, distributed_executor_backend="uni", **job.get("llm_kwargs", {}))
     try:
+        llm = LLM(model=job["model"], dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=64,
+                  max_num_seqs=1, seed=0, distributed_executor_backend="uni", **job.get("llm_kwargs", {}))
         params = SamplingParams(temperature=0.0, max_tokens=job["new_tokens"], ignore_eos=True, detokenize=False)
         out = llm.generate([{"prompt_token_ids": job["prompt"]}], params, use_tqdm=False)
         return list(out[0].outputs[0].token_ids)
     finally:
-        del llm
+        # a model that failed half-way leaves its parallel groups behind, and the next model would find them
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        llm = None
+        cleanup_dist_env_and_memory()
         gc.collect()
 
 
