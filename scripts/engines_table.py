@@ -20,12 +20,16 @@ _VERDICT = {"equal": "same ids", "skipped": "skipped", "failed": "FAILED", "diff
             "not run": "not run"}
 
 
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
 def render(report: dict) -> str:
     cases = report["cases"]
     lines = ["| engine | version | proven: transformers' greedy ids, float32 | workarounds |", "| --- | --- | --- | --- |"]
     for engine in ENGINES:
         equal = [name for name, c in cases.items() if c[engine]["status"] == "equal"]
-        other = [f"{name}: {_VERDICT[c[engine]['status']]} ({c[engine].get('detail', '')})"
+        other = [f"{name}: {_VERDICT[c[engine]['status']]} ({_cell(c[engine].get('detail', ''))})"
                  for name, c in cases.items() if c[engine]["status"] != "equal"]
         fixes = sorted({c[engine].get("workarounds", "") for c in cases.values()} - {""})
         proven = f"{len(equal)} of {len(cases)} outputs" + ("; " + "; ".join(other) if other else "")
@@ -33,7 +37,7 @@ def render(report: dict) -> str:
     lines += ["", "| ckpttool output | config fields the input lacked | " + " | ".join(ENGINES) + " |",
               "| --- | --- | " + " | ".join("---" for _ in ENGINES) + " |"]
     for c in cases.values():
-        cells = [_VERDICT[c[e]["status"]] + (f": {c[e]['detail']}" if c[e]["status"] == "skipped" else "")
+        cells = [_VERDICT[c[e]["status"]] + (f": {_cell(c[e]['detail'])}" if c[e]["status"] == "skipped" else "")
                  for e in ENGINES]
         lacked = ", ".join(f"`{f}`" for f in c["config fields the input lacked"]) or "-"
         lines.append(f"| {c['output']} | {lacked} | " + " | ".join(cells) + " |")

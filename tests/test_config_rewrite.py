@@ -85,3 +85,18 @@ def test_shard_and_merge_carry_the_explicit_config(tmp_path):
     for out in (tmp_path / "mp", tmp_path / "hf"):
         config = json.loads((out / "config.json").read_text())
         assert (config["topk_method"], config["scoring_func"], config["rope_theta"]) == ("noaux_tc", "sigmoid", 10000.0)
+
+
+def test_readme_engines_table_is_the_last_engines_run():
+    """The README's Engines tables say what tests/engines/report.json (written by `pytest -m engines`) proved."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("engines_table", REPO / "scripts" / "engines_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    report = json.loads(table.REPORT.read_text())
+    assert table.readme_block(table.README.read_text()) == table.render(report)
+    statuses = {c[e]["status"] for c in report["cases"].values() for e in table.ENGINES}
+    assert statuses <= {"equal", "skipped"}, statuses  # a committed report of a failing run is not a proof
