@@ -16,6 +16,7 @@ from pathlib import Path
 
 from conftest import run_cli
 from dense_models import build_hf
+from test_moe import _BASE as MOE_TINY_BASE, TINY as MOE_TINY
 
 from ckpttool.families.deepseek import spec as deepseek_spec
 from ckpttool.families.moe import spec as moe_spec
@@ -24,30 +25,17 @@ STRIPPED = set(deepseek_spec.ROUTING_FIELDS) | set(moe_spec._ROUTING_FIELDS) | \
     {k for fields in moe_spec.HARD_CODED_ROUTING.values() for k in fields} | \
     {"num_experts", "num_local_experts", "n_routed_experts", "partial_rotary_factor", "rotary_dim", "rope_theta"}
 
-_MOE_BASE = dict(vocab_size=256, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-                 max_position_embeddings=64, tie_word_embeddings=False)
-# As tests/test_moe.py's tiny models (GQA, dense layers among MoE ones, shared experts and their gate,
-# sigmoid routing with a correction bias and expert groups, partial rotary, q/k norms, biases, clip_qkv,
-# non-default rope_theta), with head_dim 32.
-MOE = {
-    "qwen3_moe": dict(cls="Qwen3MoeForCausalLM", config="Qwen3MoeConfig", num_key_value_heads=2, head_dim=32,
-                      intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                      norm_topk_prob=True,  # no mlp_only_layers: llama.cpp's qwen3moe has no dense layers
-                      rope_parameters={"rope_type": "default", "rope_theta": 1234567.0}),
-    "qwen2_moe": dict(cls="Qwen2MoeForCausalLM", config="Qwen2MoeConfig", num_key_value_heads=2,
-                      intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                      shared_expert_intermediate_size=48),
-    "mixtral": dict(cls="MixtralForCausalLM", config="MixtralConfig", num_key_value_heads=2, intermediate_size=32,
-                    num_local_experts=4, num_experts_per_tok=2),
-    "olmoe": dict(cls="OlmoeForCausalLM", config="OlmoeConfig", num_key_value_heads=4, intermediate_size=32,
-                  num_experts=4, num_experts_per_tok=2),  # clip_qkv: README (vLLM ignores it)
-    "glm4_moe": dict(cls="Glm4MoeForCausalLM", config="Glm4MoeConfig", num_key_value_heads=2, head_dim=32,
-                     intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-                     n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, use_qk_norm=True,
-                     attention_bias=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0),
-    "minimax_m2": dict(cls="MiniMaxM2ForCausalLM", config="MiniMaxM2Config", num_key_value_heads=2, head_dim=32,
-                       intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, rotary_dim=16),
+_MOE_BASE = {**MOE_TINY_BASE, "hidden_size": 128}  # head_dim 32 where the class derives it
+# tests/test_moe.py's tiny models (GQA, dense layers among MoE ones, shared experts and their gate, sigmoid
+# routing with a correction bias and expert groups, partial rotary, q/k norms, biases, non-default
+# rope_theta), changed only where an engine needs it: head_dim 32, and no feature an engine lacks (README)
+ENGINE_CHANGES = {
+    "qwen3_moe": {"mlp_only_layers": []},  # llama.cpp's qwen3moe has no dense layers
+    "olmoe": {"clip_qkv": None},  # vLLM's OLMoE ignores clip_qkv (OLMoE-1B-7B has none)
+    "glm4_moe": {"head_dim": 32},
+    "minimax_m2": {"head_dim": 32, "rotary_dim": 16},
 }
+MOE = {t: {**spec, **ENGINE_CHANGES.get(t, {})} for t, spec in MOE_TINY.items()}
 
 SEEDS = {"minimax_m2": 13}  # seed 11 makes a MiniMax-M2 whose greedy ids are one token repeated: proves little
 
@@ -57,7 +45,7 @@ class Case:
     name: str
     output: str  # what ckpttool wrote, in words (the README table's "output kind")
     out: Path  # ckpttool's HF output: what the engines load
-    fp8: bool = False  # the oracle dequantizes FP8 (transformers' FineGrainedFP8, dequantize=True)
+    fp8: bool = False  # FP8 weights: the oracle runs transformers on their float32 dequantization
     model_type: str = ""
     stripped: list[str] = field(default_factory=list)  # config fields the input lacked
 
