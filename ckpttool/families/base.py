@@ -112,6 +112,11 @@ class Family:
     transformers_types: dict[str, str] = field(default_factory=dict)
     """model_type -> the transformers model_type implementing it, where transformers names it otherwise
     (Kimi-K2 ships remote code for the DeepSeek-V3 architecture): verify's oracle"""
+    explicit_config: Callable[[dict, object], dict] | None = None
+    """(config.json dict, its path) -> the same config with the routing and rope fields stated that
+    transformers fills from its class defaults (or hard-codes) and omits when it saves a config:
+    engines read other defaults for them (vLLM and llama.cpp route a DeepSeek-V3 without
+    `topk_method`/`scoring_func` with softmax). HF outputs carry this config."""
 
     def expected_for(self, cfg: Any, with_mtp: bool, *, n_tensors: int, source: object) -> dict[str, tuple[int, ...]]:
         """expected_shapes, after a check that costs nothing: each layer (and, where the table names
@@ -215,6 +220,29 @@ def read_rope(raw: dict, source: object, *, default_theta: float, types: tuple[s
         raise InputError(f"rope_theta {theta} is not a positive number", file=source,
                          fix="use the config.json published with the checkpoint")
     return Rope(theta=theta, type=kind, params=params)
+
+
+def state_fields(raw: dict, fields: dict, *, theta: float | None) -> dict:
+    """`raw` plus each of `fields` it lacks (None values are left out), and a top-level `rope_theta`
+    where the rope parameters do not state one: the explicit config of Family.explicit_config. A value
+    config.json states is kept as it is."""
+    out = dict(raw)
+    for name, value in fields.items():
+        if name not in out and value is not None:
+            out[name] = value
+    if theta is not None and "rope_theta" not in out:
+        out["rope_theta"] = theta
+    return out
+
+
+def rope_theta_of(raw: dict, default_theta: float) -> float | None:
+    """The theta transformers reads (read_rope's precedence), or None where the rope parameters are
+    not one flat dict (per-layer-type rope: left as config.json states it)."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        return None
+    theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
+    return float(theta) if isinstance(theta, (int, float)) else None
 
 
 def eos_ids(raw: dict) -> tuple[int, ...]:

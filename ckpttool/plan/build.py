@@ -100,7 +100,8 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         fmt = "mp"
 
     config = rewrite_config(ckpt.config, dequant_to=spec.out_dtype if spec.dequant else None,
-                            mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not spec.keep_mtp)
+                            mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not spec.keep_mtp,
+                            explicit=family.explicit_config, source=ckpt.root / "config.json")
     if spec.quantize is not None:
         config = quantized_config(config, spec.quantize, spec.group_size)
     return Plan(src=str(ckpt.root), files=files, inputs=input_fingerprints(ckpt), format=fmt, index=index,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from ckpttool.io.layout import INDEX_NAME, MANIFEST
 from ckpttool.plan.types import OutFile
@@ -12,10 +13,13 @@ _HANDLED = {"config.json", INDEX_NAME, MANIFEST}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
-def rewrite_config(config: dict, *, dequant_to: str | None, mtp_key: str | None, mtp_dropped: bool) -> dict:
+def rewrite_config(config: dict, *, dequant_to: str | None, mtp_key: str | None, mtp_dropped: bool,
+                   explicit: Callable[[dict, object], dict] | None = None, source: object = "config.json") -> dict:
     """A config that tells the truth about the output: no quantization_config once dequantized,
-    the real dtype, and no MTP layers counted once they are dropped."""
-    config = dict(config)
+    the real dtype, no MTP layers counted once they are dropped, and (`explicit`, the family's
+    Family.explicit_config) the routing and rope fields that transformers leaves to its class defaults,
+    which engines read with defaults of their own."""
+    config = dict(config) if explicit is None else explicit(config, source)
     if dequant_to is not None:
         config.pop("quantization_config", None)
         config["torch_dtype"] = TORCH_DTYPE_NAMES[dequant_to]

@@ -25,5 +25,6 @@ FAMILY = Family(
     check_mp=spec.check_mp,
     verifier=_verifier,
     mtp_config_key="num_nextn_predict_layers",
+    explicit_config=spec.explicit_config,
     transformers_types={"kimi_k2": "deepseek_v3"},
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpttool.families.base import config_fields, layer_index
+from ckpttool.families.base import config_fields, layer_index, rope_theta_of, state_fields
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 from ckpttool.errors import InputError, PlanError
 
@@ -47,9 +47,26 @@ CONFIG_DEFAULTS["deepseek_v32"] = {**CONFIG_DEFAULTS["deepseek_v3"], "num_nextn_
 MTP field (published configs state num_nextn_predict_layers) and reads `mlp_layer_types` if given."""
 
 
+DEFAULT_ROPE_THETA = 10000.0  # DeepseekV2Config's and DeepseekV3Config's
+ROUTING_FIELDS = ("topk_method", "scoring_func", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+                  "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
+                  "moe_layer_freq")
+"""What the HF outputs state explicitly (Family.explicit_config): transformers 5 saves a V3 config without
+topk_method / scoring_func (its model hard-codes noaux_tc over sigmoid), and vLLM and llama.cpp then route
+with softmax, or fail on the correction bias."""
+
+
 def with_defaults(raw: dict) -> dict:
     """config.json's fields over transformers' defaults for its model_type (an explicit null stays null)."""
     return {**CONFIG_DEFAULTS.get(raw.get("model_type"), {}), **raw}
+
+
+def explicit_config(raw: dict, source: object = "config.json") -> dict:
+    """config.json with the routing fields and rope_theta its model type defaults to stated."""
+    DeepseekConfig.from_dict(raw, source)  # refuse what the planner would refuse, with its message
+    defaults = CONFIG_DEFAULTS.get(raw.get("model_type"), {})
+    return state_fields(raw, {k: defaults.get(k) for k in ROUTING_FIELDS},
+                        theta=rope_theta_of(raw, DEFAULT_ROPE_THETA))
 
 _ATTN = [
     ("self_attn.q_proj.weight", "attn.wq.weight", 0, LINEAR),

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpttool.errors import InputError, PlanError
-from ckpttool.families.base import HeadSplit, attention_shapes, config_fields, layer_index
+from ckpttool.families.base import HeadSplit, attention_shapes, config_fields, layer_index, rope_theta_of, state_fields
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 
 Q_HEADS = HeadSplit(dim=0, count="num_attention_heads")
@@ -84,6 +84,29 @@ CONFIG_DEFAULTS: dict[str, dict] = {
 """What each transformers config class holds for a field config.json leaves out."""
 PARTIAL_ROTARY_DEFAULT = {"glm4_moe": 0.5}
 """partial_rotary_factor where the class sets one (MiniMax-M2 derives it from `rotary_dim`)"""
+HARD_CODED_ROUTING = {"glm4_moe": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+                      "minimax_m2": {"scoring_func": "sigmoid", "use_routing_bias": True}}
+"""Routing transformers' model of the type hard-codes (its config class has no field for it), as the
+published configs state it: engines read these fields, with other defaults."""
+_ROUTING_FIELDS = ("num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "n_shared_experts",
+                   "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "moe_intermediate_size",
+                   "shared_expert_intermediate_size", "use_qk_norm")
+
+
+def explicit_config(raw: dict, source: object = "config.json") -> dict:
+    """config.json with the routing and rope fields its transformers class defaults (or hard-codes) stated:
+    the expert count, top-k and its normalisation, groups, scaling, scoring, the partial rotary share, rope_theta."""
+    cfg = MoeConfig.from_dict(raw, source)
+    f, defaults = cfg.flavor, CONFIG_DEFAULTS[cfg.model_type]
+    fields = {k: defaults[k] for k in _ROUTING_FIELDS if k in defaults}
+    if not any(k in raw for k in f.expert_count):
+        fields[f.expert_count[0]] = cfg.num_experts
+    fields.update(HARD_CODED_ROUTING.get(cfg.model_type, {}))
+    if cfg.model_type == "glm4_moe":
+        fields["partial_rotary_factor"] = cfg.partial_rotary_factor
+    if cfg.model_type == "minimax_m2":
+        fields["rotary_dim"] = round(cfg.partial_rotary_factor * cfg.head_dim)
+    return state_fields(raw, fields, theta=rope_theta_of(raw, f.default_theta))
 
 
 def key_table(model_type: str) -> list[tuple]:
