@@ -1,0 +1,76 @@
+"""Triton kernels for compressed-tensors' INT4 (`pack-quantized`) and FP8 (`float-quantized`) dequant.
+Imported only when a CUDA tensor is dequantized. The same IEEE operations as kernels/scaled_cpu.py: the
+code's exact value times its fp32 scale (one multiply, no fused add), rounded once into the output
+dtype; a NaN result is refused through `first_bad`, as kernels/fp8_triton.py does."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BM, _BN = 32, 256
+
+
+@triton.jit
+def _flag_nan(bad_ptr, y, rows, mask, BM: tl.constexpr, BN: tl.constexpr):
+    """first_bad = min(first_bad, every row holding a NaN): lanes without one issue no atomic."""
+    r = rows[:, None] + tl.zeros([BM, BN], dtype=tl.int32)
+    tl.atomic_min(bad_ptr + tl.zeros([BM, BN], dtype=tl.int32), r, mask=(y != y) & mask)
+
+
+@triton.jit
+def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, M, N, WORDS, S_COLS, GROUP: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr):
+    rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(axis=1) * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    r64 = rows[:, None].to(tl.int64)
+    words = tl.load(w_ptr + r64 * WORDS + cols[None, :] // 8, mask=mask, other=0)
+    q = ((words >> ((cols[None, :] % 8) * 4)) & 15) - 8  # value j: bits 4*(j % 8) of word j // 8, biased by 8
+    s = tl.load(s_ptr + r64 * S_COLS + cols[None, :] // GROUP, mask=mask, other=1.0).to(tl.float32)
+    y = q.to(tl.float32) * s
+    _flag_nan(bad_ptr, y, rows, mask, BM, BN)
+    tl.store(y_ptr + r64 * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_STRIDE, BM: tl.constexpr, BN: tl.constexpr):
+    rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(axis=1) * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + rows * S_STRIDE, mask=rows < M, other=1.0).to(tl.float32)
+    y = x * s[:, None]
+    _flag_nan(bad_ptr, y, rows, mask, BM, BN)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(kernel, rows: int, cols: int, out_dtype: torch.dtype, device, *args, **consts):
+    out = torch.empty((rows, cols), dtype=out_dtype, device=device)
+    first_bad = torch.full((1,), rows, dtype=torch.int32, device=device)
+    if rows and cols:
+        grid = (triton.cdiv(rows, _BM), triton.cdiv(cols, _BN))
+        kernel[grid](*args[:2], out, first_bad, rows, cols, *args[2:], BM=_BM, BN=_BN, **consts)
+    return out, first_bad
+
+
+def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 [M, N/8] and bf16 group scales [M, G] -> ([M, N] out_dtype, first_bad). Shapes are checked at
+    plan time (formats/compressed.py)."""
+    packed, scale = packed.contiguous(), scale.contiguous()
+    rows, words = packed.shape
+    cols = words * 8
+    return _launch(_int4_kernel, rows, cols, out_dtype, packed.device, packed, scale, words, scale.shape[1],
+                   GROUP=cols // max(scale.shape[1], 1))
+
+
+def dequant_fp8_rows(codes: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 [M, N] and a scale per row ([M, 1]) or per tensor ([1]) -> ([M, N] out_dtype, first_bad)."""
+    codes, scale = codes.contiguous(), scale.contiguous().reshape(-1)
+    rows, cols = codes.shape
+    return _launch(_fp8_rows_kernel, rows, cols, out_dtype, codes.device, codes, scale,
+                   1 if scale.numel() == rows and rows != 1 else 0)
