@@ -129,6 +129,8 @@ def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoi
     """The tensors must be exactly what config.json describes: a contradiction means the wrong
     config, a partial download or a different model, and would otherwise surface much later."""
     expected = family.expected_for(cfg, True, n_tensors=len(tensors), source=ckpt.root / "config.json")
+    # packed weights as the model tensors they stand for (their names and shapes are the format's)
+    tensors = dequant_stage.dequant(tensors, tuple(f for f in formats if not f.keepable))[0]
     scales = dequant_stage.scale_names(tensors, formats)
     actual = {t.name: t for t in tensors if t.name not in scales or t.name in expected}
     config_path = ckpt.root / "config.json"

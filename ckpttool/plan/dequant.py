@@ -65,6 +65,7 @@ def check_scales(tensors: list[TensorPlan], ckpt: Checkpoint, formats: Formats) 
         for other, role in fmt.besides(base).items():
             if role != "dropped":
                 _check_beside(ckpt, fmt, by_name[name], by_name.get(other), other, role)
+            paired.add(other)
         paired |= {name, scale_name}
     for t in tensors:
         if t.name not in paired:
