@@ -60,7 +60,8 @@ def _scaled(rows: int, cols: int, groups: int, decode, scale: np.ndarray, out: s
         xv = x[: r1 - r0]
         decode(r0, r1, xv)
         s = scale[r0:r1] if scale.shape[0] == rows else np.broadcast_to(scale, (r1 - r0, groups))
-        xv.reshape(r1 - r0, groups, cols // groups)[...] *= s[:, :, None]
+        with np.errstate(over="ignore", invalid="ignore"):  # inf as torch gives it; NaN refused below
+            xv.reshape(r1 - r0, groups, cols // groups)[...] *= s[:, :, None]
         if np.isnan(xv).any():  # a NaN code or scale (or an infinite scale times zero)
             raise NaNCodes(int(np.flatnonzero(np.isnan(xv).any(axis=1))[0]) + r0)
         if tmp is not None:
