@@ -67,9 +67,11 @@ def check_scales(tensors: list[TensorPlan], ckpt: Checkpoint, formats: Formats) 
                 _check_beside(ckpt, fmt, by_name[name], by_name.get(other), other, role)
             paired.add(other)
         paired |= {name, scale_name}
-    for t in tensors:
-        if t.name not in paired:
-            _check_unpaired(t, formats, _file(ckpt, t))
+    unpaired = [t for t in tensors if t.name not in paired]
+    for t in unpaired:  # a weight without its scale first: the cause, where its orphans are the symptom
+        _check_unpaired_weight(t, formats, _file(ckpt, t))
+    for t in unpaired:
+        _check_unpaired_scale(t, formats, _file(ckpt, t))
 
 
 def _check_beside(ckpt: Checkpoint, fmt: QuantFormat, weight: TensorPlan, t: TensorPlan | None, name: str,
@@ -99,12 +101,16 @@ def _check_beside(ckpt: Checkpoint, fmt: QuantFormat, weight: TensorPlan, t: Ten
                              "compressed-tensors itself")
 
 
-def _check_unpaired(t: TensorPlan, formats: Formats, file) -> None:
+def _check_unpaired_weight(t: TensorPlan, formats: Formats, file) -> None:
     for fmt in formats:
         if t.dtype in fmt.weight_dtypes and t.name.endswith(fmt.weight_suffix):  # "" matches every name
             raise InputError(f"{fmt.title} weight has no {fmt.base_of(t.name) + fmt.scale_suffix!r}", file=file,
                              tensor=t.name,
                              fix="the checkpoint is incomplete (or the index lost the scale entry); re-download it")
+
+
+def _check_unpaired_scale(t: TensorPlan, formats: Formats, file) -> None:
+    for fmt in formats:
         if t.name.endswith(fmt.scale_suffix) and (fmt.weight_suffix or t.dtype == fmt.scale_dtype):
             raise InputError("scale has no quantized weight beside it", file=file, tensor=t.name,
                              fix="the checkpoint is incomplete; re-download it")
