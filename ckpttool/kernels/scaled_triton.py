@@ -20,39 +20,63 @@ def _flag_nan(bad_ptr, y, rows, mask, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _bf16_bits_to_f32(bits):
+    """bf16 bits (int16) -> their exact fp32 value, by moving the bits: no conversion instruction whose
+    handling of subnormals could differ from numpy's."""
+    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_bf16(y):
+    """fp32 -> bf16 bits (int16), round to nearest even with integer arithmetic on the fp32 bits, as
+    kernels/fp8_cpu.round_to_bf16 does (NaN is refused before it matters)."""
+    u = y.to(tl.int32, bitcast=True)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int16)
+
+
+@triton.jit
 def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, M, N, WORDS, S_COLS, GROUP: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr):
+                 BN: tl.constexpr, BF16: tl.constexpr):
     rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
     cols = tl.program_id(axis=1) * BN + tl.arange(0, BN)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     r64 = rows[:, None].to(tl.int64)
     words = tl.load(w_ptr + r64 * WORDS + cols[None, :] // 8, mask=mask, other=0)
     q = ((words >> ((cols[None, :] % 8) * 4)) & 15) - 8  # value j: bits 4*(j % 8) of word j // 8, biased by 8
-    s = tl.load(s_ptr + r64 * S_COLS + cols[None, :] // GROUP, mask=mask, other=1.0).to(tl.float32)
+    s = _bf16_bits_to_f32(tl.load(s_ptr + r64 * S_COLS + cols[None, :] // GROUP, mask=mask, other=0))
     y = q.to(tl.float32) * s
     _flag_nan(bad_ptr, y, rows, mask, BM, BN)
-    tl.store(y_ptr + r64 * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if BF16:
+        tl.store(y_ptr + r64 * N + cols[None, :], _round_bf16(y), mask=mask)
+    else:
+        tl.store(y_ptr + r64 * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_STRIDE, BM: tl.constexpr, BN: tl.constexpr):
+def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_STRIDE, BM: tl.constexpr, BN: tl.constexpr,
+                     BF16: tl.constexpr):
     rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
     cols = tl.program_id(axis=1) * BN + tl.arange(0, BN)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(s_ptr + rows * S_STRIDE, mask=rows < M, other=1.0).to(tl.float32)
+    s = _bf16_bits_to_f32(tl.load(s_ptr + rows * S_STRIDE, mask=rows < M, other=0))
     y = x * s[:, None]
     _flag_nan(bad_ptr, y, rows, mask, BM, BN)
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if BF16:
+        tl.store(y_ptr + offs, _round_bf16(y), mask=mask)
+    else:
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(kernel, rows: int, cols: int, out_dtype: torch.dtype, device, *args, **consts):
     out = torch.empty((rows, cols), dtype=out_dtype, device=device)
     first_bad = torch.full((1,), rows, dtype=torch.int32, device=device)
+    bf16 = out_dtype == torch.bfloat16
     if rows and cols:
         grid = (triton.cdiv(rows, _BM), triton.cdiv(cols, _BN))
-        kernel[grid](*args[:2], out, first_bad, rows, cols, *args[2:], BM=_BM, BN=_BN, **consts)
+        kernel[grid](*args[:2], out.view(torch.int16) if bf16 else out, first_bad, rows, cols, *args[2:], BM=_BM,
+                     BN=_BN, BF16=bf16, **consts)
     return out, first_bad
 
 
@@ -60,7 +84,7 @@ def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dty
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 [M, N/8] and bf16 group scales [M, G] -> ([M, N] out_dtype, first_bad). Shapes are checked at
     plan time (formats/compressed.py)."""
-    packed, scale = packed.contiguous(), scale.contiguous()
+    packed, scale = packed.contiguous(), scale.contiguous().view(torch.int16)
     rows, words = packed.shape
     cols = words * 8
     return _launch(_int4_kernel, rows, cols, out_dtype, packed.device, packed, scale, words, scale.shape[1],
@@ -70,7 +94,7 @@ def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dty
 def dequant_fp8_rows(codes: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """float8 [M, N] and a scale per row ([M, 1]) or per tensor ([1]) -> ([M, N] out_dtype, first_bad)."""
-    codes, scale = codes.contiguous(), scale.contiguous().reshape(-1)
+    codes, scale = codes.contiguous(), scale.contiguous().view(torch.int16).reshape(-1)
     rows, cols = codes.shape
     return _launch(_fp8_rows_kernel, rows, cols, out_dtype, codes.device, codes, scale,
                    1 if scale.numel() == rows and rows != 1 else 0)
