@@ -52,7 +52,7 @@ def numpy_of(t: torch.Tensor):
 
 @pytest.mark.parametrize("out", sorted(OUT))
 @pytest.mark.parametrize("row", ROWS)
-@pytest.mark.parametrize("shape", [(1, 256), (37, 512), (300, 2048), (1024, 7168)])
+@pytest.mark.parametrize("shape", [(1, 256), (3, 384), (37, 512), (300, 2048), (1024, 7168)])
 def test_triton_bits_equal_cpu(row, out, shape):
     fmt = BY_NAME[row]
     gen = torch.Generator().manual_seed(sum(shape))

@@ -37,14 +37,19 @@ def _round_bf16(y):
 @triton.jit
 def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, M, N, WORDS, S_COLS, GROUP: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BF16: tl.constexpr):
+    """One program: BM rows x BN values, from BM x BN/8 words (each loaded once) and BM x BN/GROUP scales."""
     rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
+    r64 = rows[:, None].to(tl.int64)
+    wcols = tl.program_id(axis=1) * (BN // 8) + tl.arange(0, BN // 8)
+    words = tl.load(w_ptr + r64 * WORDS + wcols[None, :], mask=(rows[:, None] < M) & (wcols[None, :] < WORDS), other=0)
+    # value 8w + k is bits 4k..4k+3 of word w, biased by 8
+    q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15) - 8
+    gcols = tl.program_id(axis=1) * (BN // GROUP) + tl.arange(0, BN // GROUP)
+    s = _bf16_bits_to_f32(tl.load(s_ptr + r64 * S_COLS + gcols[None, :],
+                                  mask=(rows[:, None] < M) & (gcols[None, :] < S_COLS), other=0))
+    y = tl.reshape(tl.reshape(q.to(tl.float32), [BM, BN // GROUP, GROUP]) * s[:, :, None], [BM, BN])
     cols = tl.program_id(axis=1) * BN + tl.arange(0, BN)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    r64 = rows[:, None].to(tl.int64)
-    words = tl.load(w_ptr + r64 * WORDS + cols[None, :] // 8, mask=mask, other=0)
-    q = ((words >> ((cols[None, :] % 8) * 4)) & 15) - 8  # value j: bits 4*(j % 8) of word j // 8, biased by 8
-    s = _bf16_bits_to_f32(tl.load(s_ptr + r64 * S_COLS + cols[None, :] // GROUP, mask=mask, other=0))
-    y = q.to(tl.float32) * s
     _flag_nan(bad_ptr, y, rows, mask, BM, BN)
     if BF16:
         tl.store(y_ptr + r64 * N + cols[None, :], _round_bf16(y), mask=mask)
