@@ -44,7 +44,14 @@ def np_bits(t: torch.Tensor):
 
 
 # -- kernels against the libraries ------------------------------------------------------------------
-def test_int4_every_byte_with_edge_scales_matches_compressed_tensors():
+@pytest.fixture(params=["numba", "numpy"], autouse=False)
+def cpu_path(request, monkeypatch):
+    """Both CPU forms of each kernel (kernels/scaled_numba.py, and numpy where numba is off)."""
+    monkeypatch.setenv("CKPTTOOL_NUMBA", "1" if request.param == "numba" else "0")
+    return request.param
+
+
+def test_int4_every_byte_with_edge_scales_matches_compressed_tensors(cpu_path):
     gen = torch.Generator().manual_seed(1)
     rows, cols = 48, 512
     packed_bytes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(rows, cols // 2 // 256)
@@ -58,7 +65,7 @@ def test_int4_every_byte_with_edge_scales_matches_compressed_tensors():
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
-def test_fp8_every_code_with_edge_scales_matches_compressed_tensors(strategy):
+def test_fp8_every_code_with_edge_scales_matches_compressed_tensors(strategy, cpu_path):
     gen = torch.Generator().manual_seed(2)
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F].repeat(len(EDGE_BF16), 4)  # NaN codes are refused, tested below
@@ -80,7 +87,7 @@ def every_nvfp4_scale_and_byte() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("global_scale", [1.0, 2688.0 / 3.1, 0.37, 6.0e6])
-def test_nvfp4_every_scale_and_byte_matches_compressed_tensors(global_scale):
+def test_nvfp4_every_scale_and_byte_matches_compressed_tensors(global_scale, cpu_path):
     packed, scales = every_nvfp4_scale_and_byte()
     g = torch.tensor([global_scale], dtype=torch.float32)
     ours = nvfp4_cpu.dequant(packed.numpy(), scales.view(torch.uint8).numpy(), "compressed-tensors", float(g), "BF16")
@@ -89,7 +96,7 @@ def test_nvfp4_every_scale_and_byte_matches_compressed_tensors(global_scale):
 
 
 @pytest.mark.parametrize("scale_2", [1.0, 3.1 / 2688.0, 2.7, 1.7e-7])
-def test_nvfp4_every_scale_and_byte_matches_modelopt(scale_2):
+def test_nvfp4_every_scale_and_byte_matches_modelopt(scale_2, cpu_path):
     packed, scales = every_nvfp4_scale_and_byte()
     s2 = torch.tensor(scale_2, dtype=torch.float32)
     ours = nvfp4_cpu.dequant(packed.numpy(), scales.view(torch.uint8).numpy(), "modelopt", float(s2), "BF16")
@@ -109,7 +116,7 @@ def test_the_two_nvfp4_spellings_differ_where_their_libraries_do():
 
 
 @pytest.mark.parametrize("kernel", ["int4", "fp8", "nvfp4"])
-def test_nan_scales_are_refused_naming_the_row(kernel):
+def test_nan_scales_are_refused_naming_the_row(kernel, cpu_path):
     scale = torch.ones(4, 2, dtype=torch.bfloat16)
     scale[2, 1] = float("nan")
     with pytest.raises(NaNCodes) as e:

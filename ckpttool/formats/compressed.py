@@ -213,4 +213,3 @@ def declared(quant: dict, source) -> tuple[QuantFormat, ...]:
     if len({(r.weight_suffix, r.scale_suffix, r.weight_dtypes) for r in rows}) < len(set(rows)):
         raise _refuse("mix of " + ", ".join(sorted({r.name for r in rows})) + " (their tensors share names)", source)
     return tuple(dict.fromkeys(rows))
-

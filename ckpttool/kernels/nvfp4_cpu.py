@@ -24,6 +24,7 @@ import functools
 import numpy as np
 
 from ckpttool.dtypes import CARRIERS
+from ckpttool.kernels import scaled_numba
 from ckpttool.kernels.fp8_cpu import fp8_values, round_to_bf16
 from ckpttool.kernels.mxfp4_cpu import E2M1_VALUES, gather_words, pair_words
 
@@ -68,6 +69,11 @@ def dequant(packed: np.ndarray, scales: np.ndarray, variant: str, global_scale: 
     -> [M, N] in out's carrier. The caller has checked shapes and refused NaN scale codes."""
     rows, width = packed.shape
     groups = width // BYTES_PER_GROUP
-    words = gather_words(table(variant, float(global_scale), out),
-                         packed.reshape(rows, groups, BYTES_PER_GROUP), scales.reshape(rows, groups))
+    pairs = table(variant, float(global_scale), out)
+    compiled = scaled_numba.kernels()
+    if compiled is not None and rows and width:
+        words = np.empty((rows, width), dtype=pairs.dtype)
+        compiled[2](packed, scales.reshape(rows, groups), pairs, words)
+    else:
+        words = gather_words(pairs, packed.reshape(rows, groups, BYTES_PER_GROUP), scales.reshape(rows, groups))
     return words.view(CARRIERS[out]).reshape(rows, width * 2)

@@ -19,7 +19,8 @@ import functools
 import numpy as np
 
 from ckpttool.dtypes import CARRIERS
-from ckpttool.kernels.fp8_cpu import NaNCodes, fp8_values, round_to_bf16
+from ckpttool.kernels import scaled_numba
+from ckpttool.kernels.fp8_cpu import _INF_BITS, NaNCodes, _tables, fp8_values, round_to_bf16  # noqa: F401
 
 _STEP_ELEMENTS = 1 << 20  # output elements per step: temporaries of 4 MiB, in L2 (as kernels/fp8_cpu.py)
 
@@ -77,6 +78,14 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: s
     rows = packed.shape[0]
     cols = packed.shape[1] * 8
     nibbles = packed.view(np.uint8).reshape(rows, cols // 2)
+    compiled = scaled_numba.kernels()
+    if compiled is not None and out == "BF16" and rows and cols:
+        result = np.empty((rows, cols), dtype=np.uint16)
+        bad = compiled[1](nibbles, np.ascontiguousarray(scale_f32(scale, scale_dtype)), cols // scale.shape[1],
+                          result.view(np.uint32))
+        if bad >= 0:
+            raise NaNCodes(int(bad))
+        return result
     table = _int4_pairs()
 
     def decode(r0: int, r1: int, xv: np.ndarray) -> None:
@@ -88,6 +97,15 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: s
 def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype: str, out: str) -> np.ndarray:
     """uint8 FP8 codes [M, N] and a per-row scale [M, 1] (or one [1] for the tensor) -> [M, N]."""
     rows, cols = codes.shape
+    compiled = scaled_numba.kernels()
+    if compiled is not None and rows and cols:
+        # the elementwise product and rounding, done once per (row, code): kernels/fp8_cpu's own tables
+        tables = _tables(scale_f32(scale, scale_dtype).reshape(-1, 1), fmt, out).reshape(-1, 256)
+        result = np.empty((rows, cols), dtype=CARRIERS[out])
+        bad = compiled[0](codes, tables, tables.shape[0] == rows, result.view(tables.dtype), *_INF_BITS[out])
+        if bad >= 0:
+            raise NaNCodes(int(bad))
+        return result
     pairs = cols % 2 == 0
     table = _fp8_pairs(fmt) if pairs else fp8_values(fmt)
 
