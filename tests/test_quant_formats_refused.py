@@ -185,3 +185,13 @@ def test_nan_scale_codes_are_refused_at_execution_and_nothing_is_published(made,
     proc = run_cli("dequant", src, tmp_path / "out", check=False)
     assert proc.returncode != 0 and "row 5" in proc.stderr and f"tensor {LAYER + 'weight_packed'!r}" in proc.stderr
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("kind, leaf, value", [("ct_nvfp4", "weight_global_scale", torch.zeros(1)),
+                                               ("modelopt_nvfp4", "weight_scale_2", torch.tensor(float("inf")))])
+def test_a_global_scale_that_is_not_finite_and_positive_is_refused(kind, leaf, value, made, tmp_path):
+    src = edit_tensors(made[kind], tmp_path / "src", put(LAYER + leaf, value))
+    proc = run_cli("dequant", src, tmp_path / "out", check=False)
+    assert proc.returncode != 0 and "is not a finite positive number" in proc.stderr
+    assert f"tensor {LAYER + leaf!r}" in proc.stderr and "fix:" in proc.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -125,12 +125,15 @@ def check_nvfp4(w_shape, s_shape, tensor, file) -> None:
                               tensor, file)
 
 
-def check_global_scale(g: float) -> str | None:
-    if not (np.isfinite(g) and g > 0):
-        return f"global scale {g!r} is not a finite positive number"
-    if not np.isfinite(nvfp4_cpu.block_scales("compressed-tensors", g)[:0x7F]).all():
-        return f"global scale {g!r} makes the block scales overflow float32"
-    return None
+def global_scale_check(variant: str, what: str):
+    """What is wrong with a tensor's global scale (its `what`), as QuantFormat.check_global wants it."""
+    def check(g: float) -> str | None:
+        if not (np.isfinite(g) and g > 0):
+            return f"{what} {g!r} is not a finite positive number"
+        if not np.isfinite(nvfp4_cpu.block_scales(variant, g)[:0x7F]).all():  # codes 0..0x7E: the finite ones
+            return f"{what} {g!r} makes the block scales overflow float32"
+        return None
+    return check
 
 
 def nvfp4_row(variant: str, **fields) -> QuantFormat:
@@ -162,7 +165,8 @@ def nvfp4_row(variant: str, **fields) -> QuantFormat:
 
 CT_NVFP4 = nvfp4_row("compressed-tensors", name="ct_nvfp4", title="compressed-tensors nvfp4-pack-quantized NVFP4",
                      weight_suffix="_packed", scale_suffix="_scale", global_leaf="weight_global_scale",
-                     check_global=check_global_scale, dropped_leaves=("input_global_scale",))
+                     check_global=global_scale_check("compressed-tensors", "weight_global_scale"),
+                     dropped_leaves=("input_global_scale",))
 
 ROWS = (*CT_INT4.values(), CT_FP8_CHANNEL, CT_FP8_TENSOR, CT_NVFP4)
 

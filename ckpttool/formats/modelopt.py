@@ -10,11 +10,8 @@ compressed-tensors divides: the formula is in kernels/nvfp4_cpu.py.
 
 from __future__ import annotations
 
-import numpy as np
-
 from ckpttool.errors import InputError
-from ckpttool.formats.compressed import nvfp4_row
-from ckpttool.kernels import nvfp4_cpu
+from ckpttool.formats.compressed import global_scale_check, nvfp4_row
 
 METHOD = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -22,16 +19,9 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")  # the same weight tensors; W4A16 has no input_scale
 
 
-def _check_scale_2(s2: float) -> str | None:
-    if not (np.isfinite(s2) and s2 > 0):
-        return f"weight_scale_2 {s2!r} is not a finite positive number"
-    if not np.isfinite(nvfp4_cpu.block_scales("modelopt", s2)[:0x7F]).all():
-        return f"weight_scale_2 {s2!r} makes the block scales overflow float32"
-    return None
-
-
 MODELOPT_NVFP4 = nvfp4_row("modelopt", name="modelopt_nvfp4", title="NVIDIA ModelOpt NVFP4", weight_suffix="",
-                           scale_suffix="_scale", global_leaf="weight_scale_2", check_global=_check_scale_2,
+                           scale_suffix="_scale", global_leaf="weight_scale_2",
+                           check_global=global_scale_check("modelopt", "weight_scale_2"),
                            dropped_leaves=("input_scale",))
 ROWS = (MODELOPT_NVFP4,)
 
