@@ -11,10 +11,14 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from ckpttool.formats import CKPTTOOL_QUANTIZATION, FP8_SCALE, INT4_SCALES_AND_ZEROS, INT8_SCALES, MXFP4
-from ckpttool.io.checkpoint import Checkpoint, ShardFiles, read_config
+from ckpttool.errors import InputError
+from ckpttool.formats import (CKPTTOOL_QUANTIZATION, FP8_SCALE, HF_QUANT_CONFIG, INT4_SCALES_AND_ZEROS, INT8_SCALES,
+                              MXFP4, declared_formats)
+from ckpttool.io.checkpoint import Checkpoint, ShardFiles, read_config, read_json_object
 from ckpttool.io.layout import INDEX_NAME, MP_FILE, find_mp, mp_file
 from ckpttool.io.safetensors import read_header
+from ckpttool.plan.dequant import quantized_weights
+from ckpttool.plan.types import TensorPlan
 
 # (file, tensor name, dtype, shape, bytes)
 Entry = tuple[str, str, str, tuple[int, ...], int]
@@ -49,6 +53,23 @@ def _count_leaf(names: set[str], leaf: str) -> int:
     return sum(n.endswith("." + leaf) for n in names)
 
 
+def _formats(path: Path, layout: str, entries: list[Entry], config: dict) -> tuple[dict[str, int], str | None]:
+    """{format title: weights in it} by the rows the config declares (HF layout), or why they are refused."""
+    if layout == "mp":
+        return {}, None
+    root = path if path.is_dir() else path.parent
+    try:
+        hf_quant = (read_json_object(root / HF_QUANT_CONFIG, HF_QUANT_CONFIG, "re-download it")
+                    if (root / HF_QUANT_CONFIG).is_file() and layout == "hf" else None)
+        formats = declared_formats(config.get("quantization_config"), hf_quant, root / "config.json",
+                                   root / HF_QUANT_CONFIG)
+    except InputError as exc:
+        return {}, exc.message
+    tensors = [TensorPlan(n, d, s, source=n) for _, n, d, s, _ in entries]
+    counts: Counter = Counter(fmt.title for fmt in quantized_weights(tensors, formats).values())
+    return dict(sorted(counts.items())), None
+
+
 def describe(path: Path) -> dict:
     layout, mp, entries, config = _entries(path)
     entries.sort(key=lambda e: (e[1], e[0]))
@@ -66,6 +87,7 @@ def describe(path: Path) -> dict:
         g["bytes"] += nbytes
     # FP8 block weights: one scale per weight, `X.weight_scale_inv` in HF files, `Y.scale` in mp files
     fp8 = _count_leaf(names, FP8_SCALE.hf_leaf) if layout != "mp" else _count_leaf(names, FP8_SCALE.native_leaf)
+    formats, refused = _formats(path, layout, entries, config)
     return {
         "path": str(path),
         "layout": layout,
@@ -78,6 +100,8 @@ def describe(path: Path) -> dict:
         "model_type": config.get("model_type"),
         "quantization": {
             "config": config.get("quantization_config") or config.get(CKPTTOOL_QUANTIZATION),
+            "formats": formats,
+            "unsupported": refused,
             "fp8_block_weights": fp8,
             "mxfp4_blocks": sum(n.endswith(MXFP4.weight_suffix) for n in names),
             "int8_weights": _count_leaf(names, INT8_SCALES),

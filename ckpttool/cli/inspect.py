@@ -11,6 +11,7 @@ import typer
 from ckpttool.cli.options import Json
 from ckpttool.errors import InputError, printable
 from ckpttool.describe import describe
+from ckpttool.formats import MXFP4
 from ckpttool.publish.publish import check_manifest
 
 
@@ -54,6 +55,10 @@ def inspect(path: Annotated[Path, typer.Argument(help="A .safetensors file or a 
                                                  ("mxfp4_blocks", "MXFP4 block tensors"),
                                                  ("int8_weights", "int8 weights"), ("int4_weights", "int4 weights"))
              if q[key]]
+    kinds += [f"{n} {title} weights" for title, n in q["formats"].items() if title not in (
+        "DeepSeek FP8 128x128 blocks", MXFP4.title)]  # (counted above, as before)
+    if q["unsupported"]:
+        kinds.append(f"UNSUPPORTED: {q['unsupported']}")
     if q["config"] or kinds:
         print(f"quantization: {json.dumps(q['config']) if q['config'] else 'no quantization config'}"
               + (f"; {', '.join(kinds)}" if kinds else ""))

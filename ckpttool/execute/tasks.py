@@ -25,7 +25,7 @@ from ckpttool.dtypes import itemsize
 from ckpttool.errors import InputError
 from ckpttool.execute.cuda import CudaTransforms
 from ckpttool.execute.staging import Staging
-from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS
+from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS, QuantFormat, with_leaf
 from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.io.safetensors import TensorInfo, array_from_bytes, read_bytes
 from ckpttool.kernels import fp8_cpu
@@ -215,6 +215,18 @@ def _check_scale_values(inputs: ShardFiles, task: Task, scale: np.ndarray) -> No
                          tensor=task.scale, fix="the checkpoint is corrupt; re-download this shard")
 
 
+def _global_scale(inputs: ShardFiles, task: Task, fmt: QuantFormat) -> float:
+    """The one fp32 value beside the weight that scales all of it (NVFP4), checked."""
+    name = with_leaf(fmt.base_of(task.source), fmt.global_leaf)
+    src = inputs.source(name)
+    value = float(array_from_bytes(inputs.read_from(src.file, name), "F32", src.info.shape).reshape(-1)[0])
+    problem = fmt.check_global(value)
+    if problem:
+        raise InputError(problem, file=inputs.root / src.file, tensor=name,
+                         fix="the checkpoint is corrupt; re-download this shard")
+    return value
+
+
 def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
              chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
     """Stream one task's rows: read, transform (on `gpu` when given and started, else the CPU), write."""
@@ -241,6 +253,8 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
     fmt = BY_NAME[task.transform] if task.transform else None
     if fmt is not None:
         lo = lo // fmt.row_align * fmt.row_align
+        if fmt.global_leaf:
+            fmt = fmt.bind(_global_scale(inputs, task, fmt))
     scale_full = None
     if task.scale is not None and fmt is not None and fmt.scale_whole:
         scale_info = task.scale_info

@@ -154,6 +154,16 @@ class Checkpoint(ShardFiles):
     def _json(self, name: str, what: str, cap: int, fix: str, tensor_at=None) -> object:
         return _read_json(self.root / name, what, cap, fix, tensor_at=tensor_at)
 
+    def side_object(self, name: str, *, fix: str) -> dict | None:
+        """A small JSON object beside the weights (ModelOpt's hf_quant_config.json), local or on the hub
+        alike, or None when there is none."""
+        if not self._has(name):
+            return None
+        value = self._json(name, name, MAX_CONFIG_BYTES, fix)
+        if not isinstance(value, dict):
+            raise InputError(f"{name} is a JSON {type(value).__name__}, not an object", file=self.root / name, fix=fix)
+        return value
+
     def top_level_files(self) -> list[str]:
         """Names of the regular files beside the weights (what a conversion may copy)."""
         return [p.name for p in sorted(self.root.iterdir()) if p.is_file()]

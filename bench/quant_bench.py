@@ -1,0 +1,104 @@
+"""Dequant kernels of issue 16 against today's FP8 block path, in one run on one machine.
+
+Every format dequantizes a weight of the same output shape ([7168, 2048] BF16 by default) from random
+codes and scales, so "per byte" compares like with like: each kernel's throughput is given per output
+byte (Gelem/s x 2) and per byte moved (input + scales + output). CPU: one numpy call stream (one core;
+the executor runs one per worker thread), the median of --reps, formats interleaved so the machine's
+load hits them alike. CUDA (if present): Triton, CUDA events, achieved bandwidth vs the device's.
+Prints one JSON object.
+
+    python bench/quant_bench.py [--rows 7168 --cols 2048] [--reps 7] [--no-cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from kernel_bench import peak_bandwidth, time_cuda  # bench/ is the script's directory
+
+from ckpttool.formats import BY_NAME
+
+FORMATS = ("fp8_block", "ct_int4_g32", "ct_fp8_channel", "ct_nvfp4", "modelopt_nvfp4")
+
+
+def inputs(name: str, rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(source, scale, source dtype code) of a [rows, cols] weight in the format."""
+    def u8(*shape):
+        x = torch.randint(0, 256, shape, dtype=torch.int32, generator=gen).to(torch.uint8)
+        x[(x & 0x7F) == 0x7F] ^= 1  # no NaN codes (FP8 values, F8_E4M3 scales)
+        return x
+
+    if name == "fp8_block":
+        return (u8(rows, cols).view(torch.float8_e4m3fn),
+                torch.rand(-(-rows // 128), -(-cols // 128), generator=gen) * 1e-3 + 1e-4, "F8_E4M3")
+    if name == "ct_int4_g32":
+        return u8(rows, cols // 2).view(torch.int32), (torch.rand(rows, cols // 32, generator=gen) * 1e-2).bfloat16(), "I32"
+    if name == "ct_fp8_channel":
+        return u8(rows, cols).view(torch.float8_e4m3fn), (torch.rand(rows, 1, generator=gen) * 1e-2).bfloat16(), "F8_E4M3"
+    return u8(rows, cols // 2), u8(rows, cols // 16).view(torch.float8_e4m3fn), "U8"
+
+
+def carrier(t: torch.Tensor) -> np.ndarray:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).numpy().view(
+        {1: np.uint8, 2: np.uint16, 4: np.int32 if t.dtype == torch.int32 else np.float32}[t.element_size()])
+
+
+def moved(x: torch.Tensor, s: torch.Tensor, rows: int, cols: int) -> int:
+    return x.numel() * x.element_size() + s.numel() * s.element_size() + rows * cols * 2
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=7168)
+    p.add_argument("--cols", type=int, default=2048)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--no-cuda", action="store_true")
+    args = p.parse_args()
+    rows, cols = args.rows, args.cols
+    gen = torch.Generator().manual_seed(0)
+    data = {n: inputs(n, rows, cols, gen) for n in FORMATS}
+    kw = {n: ({"global_scale": 2688.0 / 3.1 if n.startswith("ct") else 3.1 / 2688.0} if BY_NAME[n].global_leaf else {})
+          for n in FORMATS}
+    result: dict = {"shape": [rows, cols], "out_dtype": "BF16", "torch": torch.__version__, "cpu": {}, "cuda": None}
+
+    times: dict[str, list[float]] = {n: [] for n in FORMATS}
+    for rep in range(args.reps + 1):
+        for n in FORMATS:
+            x, s, dtype = data[n]
+            xs, ss = carrier(x), carrier(s)
+            t0 = time.perf_counter()
+            BY_NAME[n].cpu(xs, ss, dtype, "BF16", **kw[n])
+            if rep:  # the first round warms tables and caches
+                times[n].append(time.perf_counter() - t0)
+    for n in FORMATS:
+        x, s, _ = data[n]
+        sec = statistics.median(times[n])
+        result["cpu"][n] = {"seconds": round(sec, 4), "gb_moved_per_s_per_core": round(moved(x, s, rows, cols) / sec / 1e9, 3),
+                            "gb_out_per_s_per_core": round(rows * cols * 2 / sec / 1e9, 3),
+                            "bytes_moved": moved(x, s, rows, cols)}
+
+    if not args.no_cuda and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        peak, how = peak_bandwidth(props, props.name)
+        result["cuda"] = {"device": props.name, "peak_bytes_per_s": peak, "peak_source": how, "formats": {}}
+        for n in FORMATS:
+            x, s, _ = data[n]
+            xc, sc = x.cuda(), (s.float() if n == "fp8_block" else s).cuda()
+            fn = (lambda: BY_NAME[n].cuda(xc, sc, torch.bfloat16, **kw[n]))
+            sec = time_cuda(fn, 50)
+            bw = moved(x, s, rows, cols) / sec
+            result["cuda"]["formats"][n] = {"seconds": sec, "gb_moved_per_s": round(bw / 1e9, 1),
+                                            "gb_out_per_s": round(rows * cols * 2 / sec / 1e9, 1),
+                                            "fraction_of_peak": round(bw / peak, 3) if peak else None}
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

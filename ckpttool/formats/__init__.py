@@ -1,0 +1,122 @@
+"""Quantization formats, one row each: the one place a format is described.
+
+A dequant row (row.QuantFormat) says what the published tensors are called and what dtypes they have,
+how they are checked at plan time, how they are dequantized (numpy on the CPU, Triton on CUDA, the
+same bits), which tensors beside the weight it reads or drops, and how the mp layout names the scale
+beside a kept weight. The planner (plan/dequant.py), the executor, the families' key tables (scale rows
+are derived from `Companion`) and verify's loaders read these rows; adding a format is one row (in the
+module of the library that defines it) plus its kernel in kernels/, and a line in `declared_formats`
+if a new quant_method names it.
+
+  blocks.py      fp8_block (DeepSeek V3/R1), mxfp4 (gpt-oss experts)
+  compressed.py  compressed-tensors: pack-quantized INT4, float-quantized FP8 (channel, tensor), NVFP4
+  modelopt.py    NVIDIA ModelOpt NVFP4
+
+Each dequant transform works on a run of dim-0 rows of its source, so the executor can stream any
+tensor in bounded chunks: `row_align` is the smallest run it can take (an FP8 scale covers 128 rows),
+and `scale_rows` says which rows of the scale tensor those source rows need.
+
+The quantize stage's output formats (fp8_block, int8, int4) are the second table, at the end.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from ckpttool.errors import InputError
+from ckpttool.formats import compressed, modelopt
+from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
+from ckpttool.formats.row import Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
+from ckpttool.kernels.fp8 import BLOCK, FP8_DTYPES, quantize_fp8_block  # noqa: F401 - FP8_DTYPES re-exported
+from ckpttool.kernels.quant import INT4_GROUP_SIZES, pack_int4, quantize_int4_grouped, quantize_int8_per_channel
+
+if TYPE_CHECKING:
+    import torch
+
+DEQUANT_FORMATS: tuple[QuantFormat, ...] = (FP8_BLOCK, MXFP4, *compressed.ROWS, *modelopt.ROWS)
+BY_NAME: dict[str, QuantFormat] = {f.name: f for f in DEQUANT_FORMATS}
+COMPANIONS: tuple[Companion, ...] = tuple(f.companion for f in DEQUANT_FORMATS if f.companion is not None)
+UNDECLARED = (FP8_BLOCK, MXFP4)
+"""what a checkpoint without a quantization config may hold (as before configs named them)"""
+HF_QUANT_CONFIG = modelopt.HF_QUANT_CONFIG
+SUPPORTED_METHODS = ("fp8", "mxfp4", compressed.METHOD, modelopt.METHOD)
+
+
+def declared_formats(quant: object, hf_quant: dict | None, config_path: object,
+                     hf_quant_path: object = None) -> tuple[QuantFormat, ...]:
+    """The rows config.json's quantization_config (and ModelOpt's hf_quant_config.json, if present)
+    declare, read as the library that wrote them reads them. Any other method or format is refused by
+    name: a plan never passes weights through under a quantization_config it does not understand."""
+    if quant is not None and not isinstance(quant, dict):
+        raise InputError(f"quantization_config is {type(quant).__name__}, not an object", file=config_path,
+                         fix="config.json is damaged; re-download it")
+    method = (quant or {}).get("quant_method")
+    if hf_quant is not None or method == modelopt.METHOD:
+        return modelopt.declared(quant, hf_quant, config_path, hf_quant_path)
+    if not quant:
+        return UNDECLARED
+    if method == "fp8":
+        return (FP8_BLOCK,)
+    if method == "mxfp4":
+        return (MXFP4,)
+    if method == compressed.METHOD:
+        return compressed.declared(quant, config_path)
+    raise InputError(f"quantization_config quant_method {method!r} is not a format ckpttool reads", file=config_path,
+                     fix=f"ckpttool reads quant_method {', '.join(map(repr, SUPPORTED_METHODS))}; "
+                         "dequantize this checkpoint with the library that wrote it")
+
+
+def declares_fp8_block(quant: object, source: object) -> bool:
+    """Whether a config.json's quantization_config says FP8 e4m3 128x128 blocks; any other is refused."""
+    if not quant:
+        return False
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8" \
+            or list(quant.get("weight_block_size") or []) != [BLOCK, BLOCK]:
+        raise InputError(f"unsupported quantization_config {quant!r}", file=source,
+                         fix="verify loads BF16 weights or FP8 e4m3 with 128x128 block scales")
+    return True
+
+
+# -- the quantize stage's outputs ----------------------------------------------------------------------
+QUANTIZE_FORMATS = ("fp8_block", "int8", "int4")
+CKPTTOOL_QUANTIZATION = "ckpttool_quantization"  # config.json key of int8/int4 outputs (quantized_config)
+INT8_SCALES = "scales"  # gpt-fast's WeightOnlyInt8Linear: X.scales [M], the source dtype
+INT4_SCALES_AND_ZEROS = "scales_and_zeros"  # gpt-fast's int4: X.scales_and_zeros BF16 [N/g, M, 2]
+
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                           "weight_block_size": [BLOCK, BLOCK]}
+"""DeepSeek-V3's quantization_config: transformers' FineGrainedFP8 and our dequant read it."""
+
+
+def _int4(group_size: int, part: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(w: torch.Tensor) -> torch.Tensor:
+        q, scales_and_zeros = quantize_int4_grouped(w, group_size)
+        return pack_int4(q) if part == 0 else scales_and_zeros
+    return run
+
+
+QUANTIZE_TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "quantize_fp8_block": lambda w: quantize_fp8_block(w)[0],
+    "quantize_fp8_block_scale": lambda w: quantize_fp8_block(w)[1],
+    "quantize_int8": lambda w: quantize_int8_per_channel(w)[0],
+    "quantize_int8_scales": lambda w: quantize_int8_per_channel(w)[1],
+    **{f"quantize_int4_g{g}": _int4(g, 0) for g in INT4_GROUP_SIZES},
+    **{f"quantize_int4_g{g}_scales_and_zeros": _int4(g, 1) for g in INT4_GROUP_SIZES},
+}
+"""Transforms of a whole source tensor (no scale input; outputs not row-aligned with the source:
+quantized values and their block/channel/group scales): read once, applied once (in torch, imported
+only then), pieces narrowed."""
+
+
+def quantized_config(config: dict, fmt: str, group_size: int) -> dict:
+    """fp8_block: DeepSeek's quantization_config, so loaders treat the output as block FP8. int8/int4
+    have no transformers quantizer that reads gpt-fast's layout: they are described under
+    `ckpttool_quantization` instead, which no loader mistakes for a method it knows."""
+    config = dict(config)
+    if fmt == "fp8_block":
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    else:
+        config.pop("quantization_config", None)
+        config[CKPTTOOL_QUANTIZATION] = {"format": fmt, "scheme": "gpt-fast weight-only",
+                                           **({"group_size": group_size} if fmt == "int4" else {})}
+    return config

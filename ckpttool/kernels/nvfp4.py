@@ -1,0 +1,27 @@
+"""NVFP4 dequant on CUDA (kernels/nvfp4_triton.py): the effective block scales of one tensor (256 fp32
+values, kernels/nvfp4_cpu.block_scales: the CPU's own division or multiplication) are computed once on
+the CPU and copied to the device; the kernel multiplies each e2m1 value by its group's, as the CPU's
+table does (where the formula is written down)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ckpttool.kernels import nvfp4_cpu
+
+
+@functools.lru_cache(maxsize=64)
+def _device_scales(variant: str, global_scale: float, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(nvfp4_cpu.block_scales(variant, global_scale).copy()).to(device)
+
+
+def dequant_nvfp4_cuda(packed: torch.Tensor, scale: torch.Tensor, variant: str, global_scale: float,
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [M, N/2] and F8_E4M3 scales [M, N/16] on a CUDA device -> ([M, N], first_bad): first_bad is
+    the first row whose scales hold a NaN code (M when none), left on the device for the caller."""
+    from ckpttool.kernels import nvfp4_triton
+
+    eff = _device_scales(variant, float(global_scale), packed.device)
+    return nvfp4_triton.dequant(packed, scale.view(torch.uint8), eff, variant == "compressed-tensors", out_dtype)

@@ -1,0 +1,118 @@
+"""compressed-tensors' INT4 (`pack-quantized`) and FP8 (`float-quantized`) dequant on the CPU, in numpy.
+No torch import; the Triton kernels (kernels/scaled_triton.py) do the same IEEE operations.
+
+Both are `out = round(fp32(q) * fp32(scale))`: the code's exact value, one fp32 multiply by its
+group's (or row's, or tensor's) scale, one round to nearest even into the output dtype. That is
+compressed-tensors' own decompression (`dequantize`: `x_q.to(scale.dtype) * scale`, in bf16 for its
+bf16 scales: torch multiplies bf16 in fp32 and rounds once), because every INT4 and e4m3 value and
+every bf16 scale is exact in fp32 and their product is too (at most 4 + 8 significant bits).
+
+INT4 storage (`pack_to_int32`, num_bits 4): `weight_packed` int32 [M, N/8]; value j of a row is bits
+4*(j % 8) .. +3 of word j // 8, stored as q + 8 (so 0..15 is -8..7). On a little-endian host the
+uint8 view of the words holds values 2k (low nibble) and 2k+1 (high nibble) in byte k.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ckpttool.dtypes import CARRIERS
+from ckpttool.kernels import scaled_numba
+from ckpttool.kernels.fp8_cpu import _INF_BITS, NaNCodes, _tables, fp8_values, round_to_bf16  # noqa: F401
+
+_STEP_ELEMENTS = 1 << 20  # output elements per step: temporaries of 4 MiB, in L2 (as kernels/fp8_cpu.py)
+
+
+@functools.lru_cache(maxsize=None)
+def _int4_pairs() -> np.ndarray:
+    """[256] uint64: byte b -> fp32 bits of (b & 15) - 8, then (b >> 4) - 8."""
+    b = np.arange(256)
+    lo = ((b & 15) - 8).astype(np.float32).view(np.uint32).astype(np.uint64)
+    hi = ((b >> 4) - 8).astype(np.float32).view(np.uint32).astype(np.uint64)
+    return lo | (hi << np.uint64(32))
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_pairs(fmt: str) -> np.ndarray:
+    """[65536] uint64: little-endian uint16 (hi << 8 | lo) -> fp32 bits of codes lo then hi."""
+    bits = fp8_values(fmt).view(np.uint32).astype(np.uint64)
+    i = np.arange(65536)
+    return bits[i & 0xFF] | (bits[i >> 8] << np.uint64(32))
+
+
+def scale_f32(scale: np.ndarray, dtype: str) -> np.ndarray:
+    """A scale's values as fp32 (exact for BF16, F16 and F32)."""
+    if dtype == "BF16":
+        return (scale.astype(np.uint32) << 16).view(np.float32)
+    return scale.astype(np.float32)
+
+
+def _scaled(rows: int, cols: int, groups: int, decode, scale: np.ndarray, out: str) -> np.ndarray:
+    """out[r, c] = round_out(value[r, c] * scale[r, c // (cols // groups)]), in steps of rows:
+    decode(r0, r1, f32 view [r1 - r0, cols]) writes the values. A NaN result is refused (NaNCodes)."""
+    result = np.empty((rows, cols), dtype=CARRIERS[out])
+    sub = max(1, min(rows, _STEP_ELEMENTS // max(cols, 1)))
+    x = np.empty((sub, cols), dtype=np.float32)
+    tmp = np.empty((sub, cols), dtype=np.uint32) if out == "BF16" else None
+    for r0 in range(0, rows, sub):
+        r1 = min(rows, r0 + sub)
+        xv = x[: r1 - r0]
+        decode(r0, r1, xv)
+        s = scale[r0:r1] if scale.shape[0] == rows else np.broadcast_to(scale, (r1 - r0, groups))
+        with np.errstate(over="ignore", invalid="ignore"):  # inf as torch gives it; NaN refused below
+            xv.reshape(r1 - r0, groups, cols // groups)[...] *= s[:, :, None]
+        if np.isnan(xv).any():  # a NaN code or scale (or an infinite scale times zero)
+            raise NaNCodes(int(np.flatnonzero(np.isnan(xv).any(axis=1))[0]) + r0)
+        if tmp is not None:
+            round_to_bf16(xv, result[r0:r1], tmp[: r1 - r0])
+        else:
+            with np.errstate(over="ignore"):
+                np.copyto(result[r0:r1], xv, casting="unsafe")
+    return result
+
+
+def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: str) -> np.ndarray:
+    """int32 packed [M, N/8] and group scales [M, G] -> [M, N] in out's carrier (groups of N / G)."""
+    rows = packed.shape[0]
+    cols = packed.shape[1] * 8
+    nibbles = packed.view(np.uint8).reshape(rows, cols // 2)
+    compiled = scaled_numba.kernels()
+    if compiled is not None and out == "BF16" and rows and cols:
+        result = np.empty((rows, cols), dtype=np.uint16)
+        bad = compiled[1](nibbles, np.ascontiguousarray(scale_f32(scale, scale_dtype)), cols // scale.shape[1],
+                          result.view(np.uint32))
+        if bad >= 0:
+            raise NaNCodes(int(bad))
+        return result
+    table = _int4_pairs()
+
+    def decode(r0: int, r1: int, xv: np.ndarray) -> None:
+        np.take(table, nibbles[r0:r1], out=xv.view(np.uint64))
+
+    return _scaled(rows, cols, scale.shape[1], decode, scale_f32(scale, scale_dtype), out)
+
+
+def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype: str, out: str) -> np.ndarray:
+    """uint8 FP8 codes [M, N] and a per-row scale [M, 1] (or one [1] for the tensor) -> [M, N]."""
+    rows, cols = codes.shape
+    compiled = scaled_numba.kernels()
+    if compiled is not None and rows and cols:
+        # the elementwise product and rounding, done once per (row, code): kernels/fp8_cpu's own tables
+        tables = _tables(scale_f32(scale, scale_dtype).reshape(-1, 1), fmt, out).reshape(-1, 256)
+        result = np.empty((rows, cols), dtype=CARRIERS[out])
+        bad = compiled[0](codes, tables, tables.shape[0] == rows, result.view(tables.dtype), *_INF_BITS[out])
+        if bad >= 0:
+            raise NaNCodes(int(bad))
+        return result
+    pairs = cols % 2 == 0
+    table = _fp8_pairs(fmt) if pairs else fp8_values(fmt)
+
+    def decode(r0: int, r1: int, xv: np.ndarray) -> None:
+        if pairs:
+            np.take(table, np.ascontiguousarray(codes[r0:r1]).view(np.uint16), out=xv.view(np.uint64))
+        else:
+            np.take(table, codes[r0:r1], out=xv)
+
+    return _scaled(rows, cols, 1, decode, scale_f32(scale, scale_dtype).reshape(-1, 1), out)

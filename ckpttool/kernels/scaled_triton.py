@@ -1,0 +1,105 @@
+"""Triton kernels for compressed-tensors' INT4 (`pack-quantized`) and FP8 (`float-quantized`) dequant.
+Imported only when a CUDA tensor is dequantized. The same IEEE operations as kernels/scaled_cpu.py: the
+code's exact value times its fp32 scale (one multiply, no fused add), rounded once into the output
+dtype; a NaN result is refused through `first_bad`, as kernels/fp8_triton.py does."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BM, _BN = 32, 256
+
+
+@triton.jit
+def _flag_nan(bad_ptr, y, rows, mask, BM: tl.constexpr, BN: tl.constexpr):
+    """first_bad = min(first_bad, every row holding a NaN): lanes without one issue no atomic."""
+    r = rows[:, None] + tl.zeros([BM, BN], dtype=tl.int32)
+    tl.atomic_min(bad_ptr + tl.zeros([BM, BN], dtype=tl.int32), r, mask=(y != y) & mask)
+
+
+@triton.jit
+def _bf16_bits_to_f32(bits):
+    """bf16 bits (int16) -> their exact fp32 value, by moving the bits: no conversion instruction whose
+    handling of subnormals could differ from numpy's."""
+    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_bf16(y):
+    """fp32 -> bf16 bits (int16), round to nearest even with integer arithmetic on the fp32 bits, as
+    kernels/fp8_cpu.round_to_bf16 does (NaN is refused before it matters)."""
+    u = y.to(tl.int32, bitcast=True)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int16)
+
+
+@triton.jit
+def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, M, N, WORDS, S_COLS, GROUP: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BF16: tl.constexpr):
+    """One program: BM rows x BN values, from BM x BN/8 words (each loaded once) and BM x BN/GROUP scales."""
+    rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
+    r64 = rows[:, None].to(tl.int64)
+    wcols = tl.program_id(axis=1) * (BN // 8) + tl.arange(0, BN // 8)
+    words = tl.load(w_ptr + r64 * WORDS + wcols[None, :], mask=(rows[:, None] < M) & (wcols[None, :] < WORDS), other=0)
+    # value 8w + k is bits 4k..4k+3 of word w, biased by 8
+    q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15) - 8
+    gcols = tl.program_id(axis=1) * (BN // GROUP) + tl.arange(0, BN // GROUP)
+    s = _bf16_bits_to_f32(tl.load(s_ptr + r64 * S_COLS + gcols[None, :],
+                                  mask=(rows[:, None] < M) & (gcols[None, :] < S_COLS), other=0))
+    y = tl.reshape(tl.reshape(q.to(tl.float32), [BM, BN // GROUP, GROUP]) * s[:, :, None], [BM, BN])
+    cols = tl.program_id(axis=1) * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    _flag_nan(bad_ptr, y, rows, mask, BM, BN)
+    if BF16:
+        tl.store(y_ptr + r64 * N + cols[None, :], _round_bf16(y), mask=mask)
+    else:
+        tl.store(y_ptr + r64 * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_STRIDE, BM: tl.constexpr, BN: tl.constexpr,
+                     BF16: tl.constexpr):
+    rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(axis=1) * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = _bf16_bits_to_f32(tl.load(s_ptr + rows * S_STRIDE, mask=rows < M, other=0))
+    y = x * s[:, None]
+    _flag_nan(bad_ptr, y, rows, mask, BM, BN)
+    if BF16:
+        tl.store(y_ptr + offs, _round_bf16(y), mask=mask)
+    else:
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(kernel, rows: int, cols: int, out_dtype: torch.dtype, device, *args, **consts):
+    out = torch.empty((rows, cols), dtype=out_dtype, device=device)
+    first_bad = torch.full((1,), rows, dtype=torch.int32, device=device)
+    bf16 = out_dtype == torch.bfloat16
+    if rows and cols:
+        grid = (triton.cdiv(rows, _BM), triton.cdiv(cols, _BN))
+        kernel[grid](*args[:2], out.view(torch.int16) if bf16 else out, first_bad, rows, cols, *args[2:], BM=_BM,
+                     BN=_BN, BF16=bf16, **consts)
+    return out, first_bad
+
+
+def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 [M, N/8] and bf16 group scales [M, G] -> ([M, N] out_dtype, first_bad). Shapes are checked at
+    plan time (formats/compressed.py)."""
+    packed, scale = packed.contiguous(), scale.contiguous().view(torch.int16)
+    rows, words = packed.shape
+    cols = words * 8
+    return _launch(_int4_kernel, rows, cols, out_dtype, packed.device, packed, scale, words, scale.shape[1],
+                   GROUP=cols // max(scale.shape[1], 1))
+
+
+def dequant_fp8_rows(codes: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 [M, N] and a scale per row ([M, 1]) or per tensor ([1]) -> ([M, N] out_dtype, first_bad)."""
+    codes, scale = codes.contiguous(), scale.contiguous().view(torch.int16).reshape(-1)
+    rows, cols = codes.shape
+    return _launch(_fp8_rows_kernel, rows, cols, out_dtype, codes.device, codes, scale,
+                   1 if scale.numel() == rows and rows != 1 else 0)
