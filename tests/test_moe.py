@@ -243,3 +243,20 @@ def test_stacked_experts_of_the_wrong_count_are_refused(moe_hf, tmp_path):
     assert proc.returncode != 0
     assert "stacked expert tensor of shape [7, 64, 32] is not [8 experts" in proc.stderr
     assert "model.layers.0.mlp.experts.down_proj" in proc.stderr
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_a_config_counting_a_trillion_layers_is_refused_without_expanding_it(moe_hf, tmp_path, model_type):
+    """Layer rules are kept as rules: reading such a config costs nothing, and the plan refuses it
+    against the headers (a per-layer tuple built while reading once took 20 GB in the fuzz test)."""
+    import shutil
+
+    src = tmp_path / "huge"
+    shutil.copytree(moe_hf[model_type][0], src)
+    raw = json.loads((src / "config.json").read_text())
+    raw["num_hidden_layers"] = 10 ** 12
+    cfg = spec.MoeConfig.from_dict(raw)
+    assert cfg.is_moe_layer(10 ** 12 - 1) in (True, False)
+    (src / "config.json").write_text(json.dumps(raw))
+    proc = run_cli("plan", src, "--mp", 2, check=False)
+    assert proc.returncode != 0 and "num_hidden_layers = 1000000000000 cannot describe" in proc.stderr

@@ -49,7 +49,7 @@ class MoeTransformer(Decoder):
         c, fp8 = args.cfg, args.shape.fp8
 
         def feed_forward(layer: int):
-            if not c.moe_layers[layer]:
+            if not c.is_moe_layer(layer):
                 return FeedForward(c.hidden_size, c.intermediate_size, dtype, fp8, ctx=ctx)
             return MoE(args.routing, c.hidden_size, c.expert_intermediate_size, ctx, dtype, fp8,
                        shared_inter=c.shared_intermediate_size, shared_gate=c.flavor.shared_gate)

@@ -168,7 +168,9 @@ class MoeConfig:
     head_dim: int
     num_experts: int
     num_experts_per_tok: int
-    moe_layers: tuple[bool, ...]  # per layer: routed experts (True) or a dense MLP
+    sparse_step: int  # Qwen's decoder_sparse_step: layer i is MoE when (i + 1) % step == 0 (0: none is)
+    dense_layers: frozenset[int]  # Qwen's mlp_only_layers
+    first_moe_layer: int  # GLM's first_k_dense_replace
     shared_intermediate_size: int  # 0: no shared expert
     scoring: str  # "softmax" or "sigmoid"
     norm_topk_prob: bool
@@ -188,6 +190,19 @@ class MoeConfig:
     def flavor(self) -> Flavor:
         return FLAVORS[self.model_type]
 
+    @property
+    def has_dense_layers(self) -> bool:
+        n = self.num_hidden_layers
+        return n > 0 and (self.num_experts == 0 or self.first_moe_layer > 0 or self.sparse_step != 1
+                          or any(i < n for i in self.dense_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Routed experts (True) or a dense MLP, as each transformers model decides it per layer: a rule,
+        not a per-layer list, so a config counting 10^12 layers costs nothing before it is refused."""
+        step = self.sparse_step
+        return (self.num_experts > 0 and layer >= self.first_moe_layer and layer not in self.dense_layers
+                and step > 0 and (layer + 1) % step == 0)
+
     @classmethod
     def from_dict(cls, raw: dict, source: object = "config.json") -> "MoeConfig":
         model_type = raw.get("model_type")
@@ -200,7 +215,7 @@ class MoeConfig:
             if d.get("hidden_act") != "silu":
                 raise InputError(f"hidden_act {d.get('hidden_act')!r} is not supported", file=source,
                                  fix="ckpttool's MoE model uses SiLU-gated experts")
-            sparse = _moe_layers(model_type, d, layers)
+            qwen = model_type in ("qwen2_moe", "qwen3_moe")
             experts = _expert_count(f, raw, d, source)
             glm, minimax = model_type == "glm4_moe", model_type == "minimax_m2"
             cfg = cls(
@@ -211,7 +226,10 @@ class MoeConfig:
                 num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
-                num_experts=experts, num_experts_per_tok=int(d["num_experts_per_tok"]), moe_layers=sparse,
+                num_experts=experts, num_experts_per_tok=int(d["num_experts_per_tok"]),
+                sparse_step=int(d["decoder_sparse_step"]) if qwen else 1,
+                dense_layers=frozenset(int(i) for i in d["mlp_only_layers"] or []) if qwen else frozenset(),
+                first_moe_layer=int(d["first_k_dense_replace"]) if glm else 0,
                 shared_intermediate_size=(int(d["shared_expert_intermediate_size"]) if model_type == "qwen2_moe" else
                                           int(d["n_shared_experts"]) * int(d["moe_intermediate_size"]) if glm else 0),
                 scoring="sigmoid" if glm or minimax else "softmax",
@@ -228,16 +246,6 @@ class MoeConfig:
                 tie_word_embeddings=bool(d["tie_word_embeddings"]), rms_norm_eps=float(d["rms_norm_eps"]))
         _check(cfg, source)
         return cfg
-
-
-def _moe_layers(model_type: str, d: dict, layers: int) -> tuple[bool, ...]:
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-        step, dense = int(d["decoder_sparse_step"]), {int(i) for i in d["mlp_only_layers"] or []}
-        experts = int(d.get("num_experts", d.get("num_local_experts", 1)) or 0)
-        return tuple(i not in dense and experts > 0 and step > 0 and (i + 1) % step == 0 for i in range(layers))
-    if model_type == "glm4_moe":
-        return tuple(i >= int(d["first_k_dense_replace"]) for i in range(layers))
-    return (True,) * layers
 
 
 def _expert_count(f: Flavor, raw: dict, d: dict, source: object) -> int:
@@ -304,7 +312,7 @@ def hf_tensor_shapes(cfg: MoeConfig, *, with_mtp: bool = True) -> dict[str, tupl
         if cfg.qk_norm != "none":
             shapes[p + "self_attn.q_norm.weight"] = (d if cfg.qk_norm == "head" else q,)
             shapes[p + "self_attn.k_norm.weight"] = (d if cfg.qk_norm == "head" else kv,)
-        if layer >= cfg.num_hidden_layers or cfg.moe_layers[layer]:
+        if layer >= cfg.num_hidden_layers or cfg.is_moe_layer(layer):
             b = f"{p}{f.block}."
             shapes[b + "gate.weight"] = (cfg.num_experts, h)
             if f.correction_bias:
@@ -341,7 +349,7 @@ def check_mp(cfg: MoeConfig, mp: int) -> None:
         raise PlanError(f"{cfg.model_type}'s k norm spans all {cfg.num_key_value_heads} KV heads, which mp={mp} would "
                         "replicate", file="config.json", fix="choose an --mp that divides num_key_value_heads")
     sizes = [("num_experts", cfg.num_experts), ("vocab_size", cfg.vocab_size)]
-    if not all(cfg.moe_layers):
+    if cfg.has_dense_layers:
         sizes.append(("intermediate_size", cfg.intermediate_size))
     if cfg.shared_intermediate_size:
         sizes.append(("shared expert width", cfg.shared_intermediate_size))
