@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpttool.families.base import config_fields, layer_index, rope_theta_of, state_fields
+from ckpttool.families.base import (config_fields, decoder_shapes, layer_index, mtp_shapes, rope_theta_of,
+                                    state_fields)
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 from ckpttool.errors import InputError, PlanError
 
@@ -208,17 +209,9 @@ def hf_tensor_shapes(cfg: DeepseekConfig, *, with_mtp: bool = True) -> dict[str,
     """Every tensor an HF DeepSeek checkpoint of this config holds (weights only, no FP8 scales)."""
     h, heads = cfg.hidden_size, cfg.num_attention_heads
     qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
     n_layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
-    for layer in range(n_layers):
-        p = f"model.layers.{layer}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes, prefixes = decoder_shapes(cfg.vocab_size, h, n_layers, tie_word_embeddings=cfg.tie_word_embeddings)
+    for layer, p in enumerate(prefixes):
         if cfg.q_lora_rank:
             shapes[p + "self_attn.q_a_proj.weight"] = (cfg.q_lora_rank, h)
             shapes[p + "self_attn.q_a_layernorm.weight"] = (cfg.q_lora_rank,)
@@ -248,12 +241,7 @@ def hf_tensor_shapes(cfg: DeepseekConfig, *, with_mtp: bool = True) -> dict[str,
         else:
             _mlp_shapes(shapes, p + "mlp.", h, cfg.intermediate_size)
         if cfg.is_mtp_layer(layer):
-            shapes[p + "enorm.weight"] = (h,)
-            shapes[p + "hnorm.weight"] = (h,)
-            shapes[p + "eh_proj.weight"] = (h, 2 * h)
-            shapes[p + "embed_tokens.weight"] = (cfg.vocab_size, h)
-            shapes[p + "shared_head.norm.weight"] = (h,)
-            shapes[p + "shared_head.head.weight"] = (cfg.vocab_size, h)
+            mtp_shapes(shapes, p, cfg.vocab_size, h)
     return shapes
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpttool.families.base import HeadSplit, attention_shapes, config_fields
+from ckpttool.families.base import HeadSplit, attention_shapes, config_fields, decoder_shapes
 from ckpttool.families.keymap import LINEAR, KeyMap
 from ckpttool.errors import InputError, PlanError
 
@@ -109,13 +109,9 @@ def hf_tensor_shapes(cfg: DenseConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this config holds (weights and biases, no FP8 scales)."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv, inter = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for layer in range(cfg.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes, prefixes = decoder_shapes(cfg.vocab_size, h, cfg.num_hidden_layers,
+                                      tie_word_embeddings=cfg.tie_word_embeddings)
+    for p in prefixes:
         attention_shapes(shapes, p, h, q, kv, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)

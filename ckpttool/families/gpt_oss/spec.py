@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpttool.families.base import attention_shapes, config_fields, read_rope
+from ckpttool.families.base import attention_shapes, config_fields, decoder_shapes, read_rope
 from ckpttool.families.keymap import KeyMap
 from ckpttool.errors import InputError, PlanError
 from ckpttool.formats import MXFP4
@@ -216,13 +216,9 @@ def hf_tensor_shapes(cfg: GptOssConfig, *, mxfp4: bool | None = None) -> dict[st
     mxfp4 = cfg.mxfp4 if mxfp4 is None else mxfp4
     h, d, e, inter = cfg.hidden_size, cfg.head_dim, cfg.num_local_experts, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for layer in range(cfg.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes, prefixes = decoder_shapes(cfg.vocab_size, h, cfg.num_hidden_layers,
+                                      tie_word_embeddings=cfg.tie_word_embeddings)
+    for p in prefixes:
         attention_shapes(shapes, p, h, q, kv, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias)
         shapes[p + "self_attn.sinks"] = (cfg.num_attention_heads,)
         shapes[p + "mlp.router.weight"] = (e, h)

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpttool.errors import InputError, PlanError
-from ckpttool.families.base import HeadSplit, attention_shapes, config_fields, layer_index, rope_theta_of, state_fields
+from ckpttool.families.base import (HeadSplit, attention_shapes, config_fields, decoder_shapes, layer_index,
+                                    mtp_shapes, rope_theta_of, state_fields)
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 
 Q_HEADS = HeadSplit(dim=0, count="num_attention_heads")
@@ -300,14 +301,9 @@ def hf_tensor_shapes(cfg: MoeConfig, *, with_mtp: bool = True) -> dict[str, tupl
     """Every tensor an HF checkpoint of this config holds (weights and biases, no FP8 scales)."""
     f, h, d = cfg.flavor, cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
     n_layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
-    for layer in range(n_layers):
-        p = f"model.layers.{layer}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes, prefixes = decoder_shapes(cfg.vocab_size, h, n_layers, tie_word_embeddings=cfg.tie_word_embeddings)
+    for layer, p in enumerate(prefixes):
         attention_shapes(shapes, p, h, q, kv, qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias)
         if cfg.qk_norm != "none":
             shapes[p + "self_attn.q_norm.weight"] = (d if cfg.qk_norm == "head" else q,)
@@ -326,9 +322,7 @@ def hf_tensor_shapes(cfg: MoeConfig, *, with_mtp: bool = True) -> dict[str, tupl
         else:
             _mlp_shapes(shapes, p + "mlp.", _QWEN, h, cfg.intermediate_size)
         if layer >= cfg.num_hidden_layers:
-            shapes.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
-                           p + "embed_tokens.weight": (cfg.vocab_size, h), p + "shared_head.norm.weight": (h,),
-                           p + "shared_head.head.weight": (cfg.vocab_size, h)})
+            mtp_shapes(shapes, p, cfg.vocab_size, h)
     return shapes
 
 
