@@ -103,3 +103,17 @@ def test_v32_sequences_longer_than_index_topk_are_refused_by_verify(tmp_path):
     run_cli("shard", src, tmp_path / "mp", "--mp", 1, "--quiet")
     with pytest.raises(CkptError, match="exceed DeepSeek-V3.2's index_topk"):
         run_verify(tmp_path / "mp", prompt_ids=[3, 17, 42, 99, 7, 150], max_new_tokens=6, device="cpu")
+
+
+def test_a_config_counting_2_30_mtp_layers_is_refused_before_expanding_them(tiny_v3, tmp_path):
+    """MTP layers count against the headers like the main layers (a fuzzed count once took 20 GB)."""
+    import shutil
+
+    src = tmp_path / "huge-mtp"
+    shutil.copytree(tiny_v3, src)
+    raw = json.loads((src / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1 << 30
+    (src / "config.json").write_text(json.dumps(raw))
+    proc = run_cli("plan", src, "--mp", 1, check=False)
+    assert proc.returncode != 0
+    assert f"num_nextn_predict_layers = {1 << 30} cannot describe" in proc.stderr

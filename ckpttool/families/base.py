@@ -123,6 +123,10 @@ class Family:
         tensors per expert, each expert) holds at least one tensor, so a config counting more of them
         than the headers hold tensors is wrong, and expanding it (1e8 experts) would run for minutes."""
         counts = {"num_hidden_layers": getattr(cfg, "num_hidden_layers", 0)}
+        if self.mtp_config_key and with_mtp:  # MTP layers are layers too (a fuzzed 2^30 once ran out of memory)
+            counts[self.mtp_config_key] = getattr(cfg, self.mtp_config_key, 0)
+            if all(isinstance(c, int) for c in counts.values()):
+                counts["layers with MTP"] = sum(counts.values())
         if any("expert" in row.fields for row in self.key_map.rows):
             counts["experts"] = self.num_experts(cfg)
         for field_name, count in counts.items():
