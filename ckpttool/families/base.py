@@ -66,6 +66,23 @@ class ConfigArgs:
         return self.cfg.num_hidden_layers
 
 
+Q_HEADS = HeadSplit(dim=0, count="num_attention_heads")
+KV_HEADS = HeadSplit(dim=0, count="num_key_value_heads", replicate=True)
+O_HEADS = HeadSplit(dim=1, count="num_attention_heads")
+"""The cuts of a GQA attention (q/k/v rows on whole heads, KV heads replicated when fewer than ranks,
+o columns on whole query heads), for every family whose config has num_attention_heads,
+num_key_value_heads and head_dim."""
+
+
+def check_gqa_heads(cfg: Any, mp: int) -> None:
+    """Refuse an mp that cuts a query head or neither splits nor replicates the KV heads evenly."""
+    for split in (Q_HEADS, KV_HEADS):
+        heads = getattr(cfg, split.count)
+        problem = split.ranges(heads * cfg.head_dim, heads, mp)
+        if isinstance(problem, str):
+            raise PlanError(problem, file="config.json", fix=f"choose an --mp that fits {split.count}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Verifier:
     """verify's side of a family (torch code, imported only when verify runs)."""

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpttool.families.base import HeadSplit, attention_shapes, config_fields, decoder_shapes
+from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, attention_shapes, check_gqa_heads, config_fields,
+                                    decoder_shapes)
 from ckpttool.families.keymap import LINEAR, KeyMap
 from ckpttool.errors import InputError, PlanError
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-Q_HEADS = HeadSplit(dim=0, count="num_attention_heads")
-KV_HEADS = HeadSplit(dim=0, count="num_key_value_heads", replicate=True)
-O_HEADS = HeadSplit(dim=1, count="num_attention_heads")
 
 _ATTN = [
     ("q_proj.weight", "wq.weight", Q_HEADS, LINEAR),
@@ -126,11 +123,7 @@ def hf_tensor_shapes(cfg: DenseConfig) -> dict[str, tuple[int, ...]]:
 def check_mp(cfg: DenseConfig, mp: int) -> None:
     """Query heads must split evenly, KV heads split or replicate evenly, and vocabulary and MLP width
     divide: row counts alone can divide and still cut a head in half."""
-    for split in (Q_HEADS, KV_HEADS):
-        heads = getattr(cfg, split.count)
-        problem = split.ranges(heads * cfg.head_dim, heads, mp)
-        if isinstance(problem, str):
-            raise PlanError(problem, file="config.json", fix=f"choose an --mp that fits {split.count}")
+    check_gqa_heads(cfg, mp)
     for what, size in (("vocab_size", cfg.vocab_size), ("intermediate_size", cfg.intermediate_size)):
         if size % mp:
             raise PlanError(f"{what} ({size}) is not divisible by mp={mp}", file="config.json",

@@ -18,13 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpttool.errors import InputError, PlanError
-from ckpttool.families.base import (HeadSplit, attention_shapes, config_fields, decoder_shapes, layer_index,
-                                    mtp_shapes, rope_theta_of, state_fields)
+from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, attention_shapes, check_gqa_heads, config_fields,
+                                    decoder_shapes, layer_index, mtp_shapes, rope_theta_of, state_fields)
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
-
-Q_HEADS = HeadSplit(dim=0, count="num_attention_heads")
-KV_HEADS = HeadSplit(dim=0, count="num_key_value_heads", replicate=True)
-O_HEADS = HeadSplit(dim=1, count="num_attention_heads")
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,11 +330,7 @@ def is_mtp_tensor(cfg: MoeConfig, hf_name: str) -> bool:
 def check_mp(cfg: MoeConfig, mp: int) -> None:
     """Query heads split evenly, KV heads split or replicate (not when a norm spans all KV heads), and
     experts, the vocabulary and the dense and shared MLP widths divide."""
-    for split in (Q_HEADS, KV_HEADS):
-        heads = getattr(cfg, split.count)
-        problem = split.ranges(heads * cfg.head_dim, heads, mp)
-        if isinstance(problem, str):
-            raise PlanError(problem, file="config.json", fix=f"choose an --mp that fits {split.count}")
+    check_gqa_heads(cfg, mp)
     if cfg.qk_norm == "full" and cfg.num_key_value_heads % mp:
         raise PlanError(f"{cfg.model_type}'s k norm spans all {cfg.num_key_value_heads} KV heads, which mp={mp} would "
                         "replicate", file="config.json", fix="choose an --mp that divides num_key_value_heads")
