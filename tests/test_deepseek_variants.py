@@ -28,6 +28,19 @@ def test_keep_mtp_output_passes_verify_and_says_the_mtp_layer_is_skipped(tiny_v3
     assert "MTP tensor(s) on rank 0 skipped" in report.checks["load"].detail
 
 
+def test_demo_weights_depend_on_seed_and_name_only(tmp_path):
+    """verify's MTP tests compare an MTP-less conversion against the same seed's checkpoint with an MTP
+    layer: that holds only while adding a layer leaves every other tensor's values as they were."""
+    without = load_dir(build_checkpoint(tmp_path / "a", "tiny-v3", seed=1, overrides={"num_nextn_predict_layers": 0}))
+    with_mtp = load_dir(build_checkpoint(tmp_path / "b", "tiny-v3", seed=1))
+    other_seed = load_dir(build_checkpoint(tmp_path / "c", "tiny-v3", seed=2, overrides={"num_nextn_predict_layers": 0}))
+    flat = [{k: v for f in d.values() for k, v in f.items()} for d in (without, with_mtp, other_seed)]
+    assert set(flat[1]) > set(flat[0])
+    assert all(torch.equal(v, flat[1][k]) for k, v in flat[0].items())
+    assert not torch.equal(flat[0]["model.layers.0.self_attn.q_a_proj.weight"].float(),
+                           flat[2]["model.layers.0.self_attn.q_a_proj.weight"].float())
+
+
 def test_v31_ue8m0_scale_format_dequantizes_to_the_block_formula(tmp_path):
     src = build_checkpoint(tmp_path / "v31", "tiny-v3", seed=4, overrides={"num_nextn_predict_layers": 0})
     config = json.loads((src / "config.json").read_text())

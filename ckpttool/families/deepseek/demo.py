@@ -7,6 +7,7 @@ an index, FP8 e4m3 128x128 block weights with `weight_scale_inv`, config.json wi
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -70,12 +71,14 @@ def build_checkpoint(dst: Path, preset: str = "tiny-v3", *, fp8: bool | None = N
     raw = {**PRESETS[preset], **(overrides or {})}
     cfg = DeepseekConfig.from_dict(raw)
     fp8 = raw["model_type"] == "deepseek_v3" if fp8 is None else fp8
-    gen = np.random.default_rng(seed)
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
 
     tensors: dict[str, Array] = {}
     for name, shape in hf_tensor_shapes(cfg).items():
+        # each tensor draws from its own stream, so a tensor's values depend on (seed, name) alone: the same
+        # seed gives the same weights whatever else the config adds (an MTP layer) or however shapes are listed
+        gen = np.random.default_rng([seed, zlib.crc32(name.encode())])
         tensors.update(_make_tensor(name, shape, fp8, gen))
 
     n_layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
