@@ -239,7 +239,7 @@ def read_rope(raw: dict, source: object, *, default_theta: float, types: tuple[s
     scaled types without `original_max_position_embeddings` take a top-level one, else
     max_position_embeddings. A type this family's model does not implement, or per-layer-type
     (nested) parameters, are refused rather than approximated."""
-    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    params = _rope_parameters(raw)
     if not isinstance(params, dict):
         raise InputError(f"rope parameters are a JSON {type(params).__name__}, not an object", file=source,
                          fix="use the config.json published with the checkpoint")
@@ -248,7 +248,7 @@ def read_rope(raw: dict, source: object, *, default_theta: float, types: tuple[s
         raise InputError("per-layer-type rope parameters are not supported for this model", file=source,
                          fix="report this checkpoint; ckpttool reads one rope configuration per model")
     with config_fields(source):
-        params.setdefault("rope_theta", raw.get("rope_theta", default_theta))
+        params["rope_theta"] = _rope_theta(params, raw, default_theta)
         kind = params.setdefault("rope_type", params.get("type", "default"))
         if kind in ("llama3", "yarn", "longrope"):
             params.setdefault("original_max_position_embeddings",
@@ -279,11 +279,21 @@ def state_fields(raw: dict, fields: dict, *, theta: float | None) -> dict:
 def rope_theta_of(raw: dict, default_theta: float) -> float | None:
     """The theta transformers reads (read_rope's precedence), or None where the rope parameters are
     not one flat dict (per-layer-type rope: left as config.json states it)."""
-    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    params = _rope_parameters(raw)
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         return None
-    theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
+    theta = _rope_theta(params, raw, default_theta)
     return float(theta) if isinstance(theta, (int, float)) else None
+
+
+def _rope_parameters(raw: dict) -> object:
+    """`rope_scaling` (older configs) replaces `rope_parameters` (what transformers 5 saves)."""
+    return raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+
+
+def _rope_theta(params: dict, raw: dict, default_theta: float) -> object:
+    """`rope_theta` inside the rope parameters wins over a top-level one, then the model's default."""
+    return params.get("rope_theta", raw.get("rope_theta", default_theta))
 
 
 def eos_ids(raw: dict) -> tuple[int, ...]:
