@@ -78,10 +78,11 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: s
     rows = packed.shape[0]
     cols = packed.shape[1] * 8
     nibbles = packed.view(np.uint8).reshape(rows, cols // 2)
+    group = cols // scale.shape[1] if scale.shape[1] else 0
     compiled = scaled_numba.kernels()
-    if compiled is not None and out == "BF16" and rows and cols:
+    if compiled is not None and out == "BF16" and rows and cols and group % 8 == 0:
         result = np.empty((rows, cols), dtype=np.uint16)
-        bad = compiled[1](nibbles, np.ascontiguousarray(scale_f32(scale, scale_dtype)), cols // scale.shape[1],
+        bad = compiled[1](packed.view(np.uint32), np.ascontiguousarray(scale_f32(scale, scale_dtype)), group,
                           result.view(np.uint32))
         if bad >= 0:
             raise NaNCodes(int(bad))
