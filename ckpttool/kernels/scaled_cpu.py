@@ -49,9 +49,11 @@ def scale_f32(scale: np.ndarray, dtype: str) -> np.ndarray:
     return scale.astype(np.float32)
 
 
-def _scaled(rows: int, cols: int, groups: int, decode, scale: np.ndarray, out: str) -> np.ndarray:
+def _scaled(rows: int, cols: int, groups: int, decode, scale: np.ndarray, out: str, *,
+            may_nan: bool = True) -> np.ndarray:
     """out[r, c] = round_out(value[r, c] * scale[r, c // (cols // groups)]), in steps of rows:
-    decode(r0, r1, f32 view [r1 - r0, cols]) writes the values. A NaN result is refused (NaNCodes)."""
+    decode(r0, r1, f32 view [r1 - r0, cols]) writes the values. A NaN result is refused (NaNCodes);
+    may_nan=False (the caller has ruled NaN out) skips that check, two passes over the output."""
     result = np.empty((rows, cols), dtype=CARRIERS[out])
     sub = max(1, min(rows, _STEP_ELEMENTS // max(cols, 1)))
     x = np.empty((sub, cols), dtype=np.float32)
@@ -63,7 +65,7 @@ def _scaled(rows: int, cols: int, groups: int, decode, scale: np.ndarray, out: s
         s = scale[r0:r1] if scale.shape[0] == rows else np.broadcast_to(scale, (r1 - r0, groups))
         with np.errstate(over="ignore", invalid="ignore"):  # inf as torch gives it; NaN refused below
             xv.reshape(r1 - r0, groups, cols // groups)[...] *= s[:, :, None]
-        if np.isnan(xv).any():  # a NaN code or scale (or an infinite scale times zero)
+        if may_nan and np.isnan(xv).any():  # a NaN code or scale (or an infinite scale times zero)
             raise NaNCodes(int(np.flatnonzero(np.isnan(xv).any(axis=1))[0]) + r0)
         if tmp is not None:
             round_to_bf16(xv, result[r0:r1], tmp[: r1 - r0])
@@ -92,7 +94,8 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: s
     def decode(r0: int, r1: int, xv: np.ndarray) -> None:
         np.take(table, nibbles[r0:r1], out=xv.view(np.uint64))
 
-    return _scaled(rows, cols, scale.shape[1], decode, scale_f32(scale, scale_dtype), out)
+    s = scale_f32(scale, scale_dtype)  # int4 values are finite: only a NaN or infinite scale makes a NaN
+    return _scaled(rows, cols, scale.shape[1], decode, s, out, may_nan=not np.isfinite(s).all())
 
 
 def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype: str, out: str) -> np.ndarray:
