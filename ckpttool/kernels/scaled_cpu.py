@@ -20,7 +20,7 @@ import numpy as np
 
 from ckpttool.dtypes import CARRIERS
 from ckpttool.kernels import scaled_numba
-from ckpttool.kernels.fp8_cpu import _INF_BITS, NaNCodes, _tables, fp8_values, round_to_bf16  # noqa: F401
+from ckpttool.kernels.fp8_cpu import INF_BITS, NaNCodes, code_tables, fp8_values, round_to_bf16
 
 _STEP_ELEMENTS = 1 << 20  # output elements per step: temporaries of 4 MiB, in L2 (as kernels/fp8_cpu.py)
 
@@ -104,9 +104,9 @@ def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype
     compiled = scaled_numba.kernels()
     if compiled is not None and rows and cols:
         # the elementwise product and rounding, done once per (row, code): kernels/fp8_cpu's own tables
-        tables = _tables(scale_f32(scale, scale_dtype).reshape(-1, 1), fmt, out).reshape(-1, 256)
+        tables = code_tables(scale_f32(scale, scale_dtype).reshape(-1, 1), fmt, out).reshape(-1, 256)
         result = np.empty((rows, cols), dtype=CARRIERS[out])
-        bad = compiled[0](codes, tables, tables.shape[0] == rows, result.view(tables.dtype), *_INF_BITS[out])
+        bad = compiled[0](codes, tables, tables.shape[0] == rows, result.view(tables.dtype), *INF_BITS[out])
         if bad >= 0:
             raise NaNCodes(int(bad))
         return result
