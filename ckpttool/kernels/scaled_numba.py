@@ -1,5 +1,5 @@
 """Compiled (numba) loops for the compressed-tensors and ModelOpt CPU kernels: the same bits as their
-numpy forms in kernels/scaled_cpu.py and kernels/nvfp4_cpu.py (tests/test_quant_kernels.py runs both),
+numpy forms in kernels/scaled_cpu.py and kernels/nvfp4_cpu.py (tests/test_quant_formats.py runs both),
 as kernels/fp8_gather.py does for FP8 blocks, and for the same reason: one pass per element without
 the GIL instead of several numpy passes. None where numba is missing or CKPTTOOL_NUMBA=0.
 
@@ -12,22 +12,14 @@ Each returns the first row whose output holds a NaN (bits above +-inf), or -1.
 
 from __future__ import annotations
 
-import functools
+import numpy as np
 
-from ckpttool.kernels import fp8_gather
+from ckpttool.kernels.numba_jit import compiled_on_first_use
 
 
-def kernels():
+@compiled_on_first_use
+def kernels(numba):
     """(fp8_rows, int4_bf16, nvfp4) compiled, or None (numba missing or CKPTTOOL_NUMBA=0)."""
-    if fp8_gather.kernel() is None:  # the same switch and the same numba as the FP8 block gather
-        return None
-    return _compiled()
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled():
-    import numba
-    import numpy as np
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def fp8_rows(codes, tables, per_row, out, mask, inf):  # pragma: no cover - compiled
