@@ -77,9 +77,10 @@ def round_to_bf16(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
     np.copyto(out, tmp, casting="unsafe")
 
 
-def _tables(scale: np.ndarray, fmt: str, out_dtype: str) -> np.ndarray:
-    """[blocks down, blocks across, 256]: each block's 256 outputs in the carrier's bits (uint16 or
-    uint32), computed exactly as the elementwise kernel would: fp32 product, then the rounding."""
+def code_tables(scale: np.ndarray, fmt: str, out_dtype: str) -> np.ndarray:
+    """[S0, S1, 256] for scales [S0, S1] (a 128x128 block's each here, a row's in kernels/scaled_cpu.py):
+    each scale's 256 outputs in the carrier's bits (uint16 or uint32), computed exactly as the
+    elementwise kernel would: fp32 product, then the rounding."""
     with np.errstate(over="ignore"):
         prod = np.multiply(fp8_values(fmt)[None, None, :], scale.astype(np.float32, copy=False)[:, :, None],
                            dtype=np.float32)
@@ -93,8 +94,8 @@ def _tables(scale: np.ndarray, fmt: str, out_dtype: str) -> np.ndarray:
     return prod.view(np.uint32)
 
 
-# (sign mask, bits of +inf) per output dtype: masked bits above +inf's are a NaN
-_INF_BITS = {"BF16": (0x7FFF, 0x7F80), "F16": (0x7FFF, 0x7C00), "F32": (0x7FFFFFFF, 0x7F800000)}
+INF_BITS = {"BF16": (0x7FFF, 0x7F80), "F16": (0x7FFF, 0x7C00), "F32": (0x7FFFFFFF, 0x7F800000)}
+"""(sign mask, bits of +inf) per output dtype: carrier bits whose masked value is above +inf's are a NaN"""
 
 
 def dequant(codes: np.ndarray, scale: np.ndarray, fmt: str, out_dtype: str, *, block: int = BLOCK,
@@ -109,9 +110,9 @@ def dequant(codes: np.ndarray, scale: np.ndarray, fmt: str, out_dtype: str, *, b
            else out.view(CARRIERS[out_dtype]).reshape(rows, cols))
     if not out.size:
         return out
-    tables = _tables(scale[: -(-rows // block), : -(-cols // block)], fmt, out_dtype)
+    tables = code_tables(scale[: -(-rows // block), : -(-cols // block)], fmt, out_dtype)
     bits = out.view(tables.dtype)
-    mask, inf = _INF_BITS[out_dtype]
+    mask, inf = INF_BITS[out_dtype]
     gather = fp8_gather.kernel() if block & (block - 1) == 0 else None
     if gather is not None:
         bad = gather(codes, tables.reshape(tables.shape[0], -1), bits, block.bit_length() - 1, mask, inf)

@@ -4,36 +4,22 @@ returning the first row whose output holds a NaN (bits above +-inf), or -1.
 Two implementations of the same function, the same bits: a numba kernel (one compiled loop per chunk,
 run without the GIL; compiled on first use, about 0.6 s on the 2-core box, then cached on disk), and
 numpy (`np.take` over int64 indices built in one pass, ~3x slower) where numba does not import or
-`CKPTTOOL_NUMBA=0` asks for it. tests/test_kernels_cpu.py runs both against each other.
+`CKPTTOOL_NUMBA=0` asks for it. tests/test_convert.py runs both against torch.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import threading
-
 import numpy as np
+
+from ckpttool.kernels.numba_jit import compiled_on_first_use
 
 _STEP_ELEMENTS = 1 << 20
 """numpy path: elements per step, bounding its int64 index temporary to 8 MiB"""
-_lock = threading.Lock()
 
 
-def kernel():
+@compiled_on_first_use
+def kernel(numba):
     """The compiled gather, or None where numba is missing or disabled (CKPTTOOL_NUMBA=0)."""
-    if os.environ.get("CKPTTOOL_NUMBA", "1") == "0":
-        return None
-    with _lock:  # one thread compiles; the others wait for it rather than compile again
-        return _compiled()
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled():
-    try:
-        import numba
-    except ImportError:
-        return None
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def gather(codes, tables, out, shift, mask, inf):  # pragma: no cover - compiled

@@ -20,7 +20,7 @@ import numpy as np
 
 from ckpttool.dtypes import CARRIERS
 from ckpttool.kernels import scaled_numba
-from ckpttool.kernels.fp8_cpu import _INF_BITS, NaNCodes, _tables, fp8_values, round_to_bf16  # noqa: F401
+from ckpttool.kernels.fp8_cpu import INF_BITS, NaNCodes, code_tables, fp8_values, round_to_bf16
 
 _STEP_ELEMENTS = 1 << 20  # output elements per step: temporaries of 4 MiB, in L2 (as kernels/fp8_cpu.py)
 
@@ -49,9 +49,11 @@ def scale_f32(scale: np.ndarray, dtype: str) -> np.ndarray:
     return scale.astype(np.float32)
 
 
-def _scaled(rows: int, cols: int, groups: int, decode, scale: np.ndarray, out: str) -> np.ndarray:
+def _scaled(rows: int, cols: int, groups: int, decode, scale: np.ndarray, out: str, *,
+            may_nan: bool = True) -> np.ndarray:
     """out[r, c] = round_out(value[r, c] * scale[r, c // (cols // groups)]), in steps of rows:
-    decode(r0, r1, f32 view [r1 - r0, cols]) writes the values. A NaN result is refused (NaNCodes)."""
+    decode(r0, r1, f32 view [r1 - r0, cols]) writes the values. A NaN result is refused (NaNCodes);
+    may_nan=False (the caller has ruled NaN out) skips that check, two passes over the output."""
     result = np.empty((rows, cols), dtype=CARRIERS[out])
     sub = max(1, min(rows, _STEP_ELEMENTS // max(cols, 1)))
     x = np.empty((sub, cols), dtype=np.float32)
@@ -63,7 +65,7 @@ def _scaled(rows: int, cols: int, groups: int, decode, scale: np.ndarray, out: s
         s = scale[r0:r1] if scale.shape[0] == rows else np.broadcast_to(scale, (r1 - r0, groups))
         with np.errstate(over="ignore", invalid="ignore"):  # inf as torch gives it; NaN refused below
             xv.reshape(r1 - r0, groups, cols // groups)[...] *= s[:, :, None]
-        if np.isnan(xv).any():  # a NaN code or scale (or an infinite scale times zero)
+        if may_nan and np.isnan(xv).any():  # a NaN code or scale (or an infinite scale times zero)
             raise NaNCodes(int(np.flatnonzero(np.isnan(xv).any(axis=1))[0]) + r0)
         if tmp is not None:
             round_to_bf16(xv, result[r0:r1], tmp[: r1 - r0])
@@ -78,10 +80,11 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: s
     rows = packed.shape[0]
     cols = packed.shape[1] * 8
     nibbles = packed.view(np.uint8).reshape(rows, cols // 2)
+    group = cols // scale.shape[1] if scale.shape[1] else 0
     compiled = scaled_numba.kernels()
-    if compiled is not None and out == "BF16" and rows and cols:
+    if compiled is not None and out == "BF16" and rows and cols and group % 8 == 0:
         result = np.empty((rows, cols), dtype=np.uint16)
-        bad = compiled[1](nibbles, np.ascontiguousarray(scale_f32(scale, scale_dtype)), cols // scale.shape[1],
+        bad = compiled[1](packed.view(np.uint32), np.ascontiguousarray(scale_f32(scale, scale_dtype)), group,
                           result.view(np.uint32))
         if bad >= 0:
             raise NaNCodes(int(bad))
@@ -91,7 +94,8 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: s
     def decode(r0: int, r1: int, xv: np.ndarray) -> None:
         np.take(table, nibbles[r0:r1], out=xv.view(np.uint64))
 
-    return _scaled(rows, cols, scale.shape[1], decode, scale_f32(scale, scale_dtype), out)
+    s = scale_f32(scale, scale_dtype)  # int4 values are finite: only a NaN or infinite scale makes a NaN
+    return _scaled(rows, cols, scale.shape[1], decode, s, out, may_nan=not np.isfinite(s).all())
 
 
 def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype: str, out: str) -> np.ndarray:
@@ -100,9 +104,9 @@ def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype
     compiled = scaled_numba.kernels()
     if compiled is not None and rows and cols:
         # the elementwise product and rounding, done once per (row, code): kernels/fp8_cpu's own tables
-        tables = _tables(scale_f32(scale, scale_dtype).reshape(-1, 1), fmt, out).reshape(-1, 256)
+        tables = code_tables(scale_f32(scale, scale_dtype).reshape(-1, 1), fmt, out).reshape(-1, 256)
         result = np.empty((rows, cols), dtype=CARRIERS[out])
-        bad = compiled[0](codes, tables, tables.shape[0] == rows, result.view(tables.dtype), *_INF_BITS[out])
+        bad = compiled[0](codes, tables, tables.shape[0] == rows, result.view(tables.dtype), *INF_BITS[out])
         if bad >= 0:
             raise NaNCodes(int(bad))
         return result

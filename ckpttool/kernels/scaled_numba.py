@@ -1,33 +1,25 @@
 """Compiled (numba) loops for the compressed-tensors and ModelOpt CPU kernels: the same bits as their
-numpy forms in kernels/scaled_cpu.py and kernels/nvfp4_cpu.py (tests/test_quant_kernels.py runs both),
+numpy forms in kernels/scaled_cpu.py and kernels/nvfp4_cpu.py (tests/test_quant_formats.py runs both),
 as kernels/fp8_gather.py does for FP8 blocks, and for the same reason: one pass per element without
 the GIL instead of several numpy passes. None where numba is missing or CKPTTOOL_NUMBA=0.
 
 - fp8 rows: a 256-entry table per row (or one for the tensor) of rounded products, then a gather;
-- int4: per group, the 16 products q * scale rounded once (bf16: integer rounding of the fp32 bits),
-  then each byte's two nibbles gathered from them;
+- int4: per row, each group's 16 products q * scale rounded once (bf16: integer rounding of the fp32
+  bits), then each int32 word's 8 nibbles gathered from its group's 16 (groups are whole words);
 - nvfp4: a gather of two-value words from the tensor's pair table.
 Each returns the first row whose output holds a NaN (bits above +-inf), or -1.
 """
 
 from __future__ import annotations
 
-import functools
+import numpy as np
 
-from ckpttool.kernels import fp8_gather
+from ckpttool.kernels.numba_jit import compiled_on_first_use
 
 
-def kernels():
+@compiled_on_first_use
+def kernels(numba):
     """(fp8_rows, int4_bf16, nvfp4) compiled, or None (numba missing or CKPTTOOL_NUMBA=0)."""
-    if fp8_gather.kernel() is None:  # the same switch and the same numba as the FP8 block gather
-        return None
-    return _compiled()
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled():
-    import numba
-    import numpy as np
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def fp8_rows(codes, tables, per_row, out, mask, inf):  # pragma: no cover - compiled
@@ -48,34 +40,38 @@ def _compiled():
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def int4_bf16(packed, scale, group, out):  # pragma: no cover - compiled
-        """out: [rows, width] uint32, each word the two bf16 values of one packed byte."""
+        """packed: [rows, cols / 8] uint32 words; out: [rows, cols / 2] uint32, each two bf16 values."""
         rows, width = packed.shape
-        f = np.empty(16, dtype=np.float32)
+        groups = scale.shape[1]
+        f = np.empty(groups * 16, dtype=np.float32)
         u = f.view(np.uint32)
-        t = np.empty(16, dtype=np.uint32)
-        q8 = np.arange(-8, 8).astype(np.float32)
-        half = group // 2
+        t = np.empty(groups * 16, dtype=np.uint32)
+        words = group // 8
         inf = np.uint32(0x7F80)
         m = np.uint32(0x7FFF)
         for i in range(rows):
+            s = scale[i]
+            for g in range(groups):  # the row's tables first, in one loop LLVM vectorizes
+                for q in range(16):
+                    f[g * 16 + q] = np.float32(q - 8) * s[g]  # exact: a 4-bit integer times a bf16
+            nan = False
+            for k in range(groups * 16):  # round to nearest even on the bits, as kernels/fp8_cpu.round_to_bf16
+                t[k] = (u[k] + np.uint32(0x7FFF) + ((u[k] >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                nan |= (t[k] & m) > inf
             p = packed[i]
             o = out[i]
-            for g in range(width // half):
-                s = scale[i, g]
-                for q in range(16):
-                    f[q] = q8[q] * s  # exact: a 4-bit integer times a bf16
-                nan = False
-                for q in range(16):  # round to nearest even on the bits, as kernels/fp8_cpu.round_to_bf16
-                    t[q] = (u[q] + np.uint32(0x7FFF) + ((u[q] >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                    nan |= (t[q] & m) > inf
-                k0 = g * half
-                for k in range(k0, k0 + half):
-                    b = p[k]
-                    o[k] = t[b & 15] | (t[b >> 4] << np.uint32(16))
-                if nan:  # refused if a NaN entry was written (NaN scale, or an infinite one times 0)
-                    for k in range(k0, k0 + half):
-                        if (o[k] & m) > inf or ((o[k] >> np.uint32(16)) & m) > inf:
-                            return i
+            for g in range(groups):
+                tg = t[g * 16:g * 16 + 16]
+                for k in range(g * words, g * words + words):  # a word's 8 nibbles: 4 output words
+                    w = p[k]
+                    o[4 * k] = tg[w & 15] | (tg[(w >> 4) & 15] << np.uint32(16))
+                    o[4 * k + 1] = tg[(w >> 8) & 15] | (tg[(w >> 12) & 15] << np.uint32(16))
+                    o[4 * k + 2] = tg[(w >> 16) & 15] | (tg[(w >> 20) & 15] << np.uint32(16))
+                    o[4 * k + 3] = tg[(w >> 24) & 15] | (tg[w >> 28] << np.uint32(16))
+            if nan:  # refused if a NaN entry was written (NaN scale, or an infinite one times 0)
+                for k in range(width * 4):
+                    if (o[k] & m) > inf or ((o[k] >> np.uint32(16)) & m) > inf:
+                        return i
         return -1
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
