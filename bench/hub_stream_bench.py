@@ -73,7 +73,9 @@ def main() -> None:
             rows.append({"rep": rep, "input_gb": size / 1e9, "rate_mb_s": rate / 1e6, "A_download_s": a_s,
                          "B_convert_s": b, "C_stream_s": c, "ratio": c / max(a_s, b),
                          "peak_disk_gb": d["peak_disk_bytes"] / 1e9, "output_gb": report["bytes_written"] / 1e9,
-                         "largest_input_gb": max(f.stat().st_size for f in a.src.glob("*.safetensors")) / 1e9})
+                         "largest_input_gb": max(f.stat().st_size for f in a.src.glob("*.safetensors")) / 1e9,
+                         "C_link_busy_s": d["download_seconds"], "C_room_wait_s": d.get("room_wait_seconds"),
+                         "C_timeline": d.get("timeline")})  # per input file, seconds from the fetcher's start
             print(json.dumps(rows[-1]), flush=True)
     print("| rep | input GB | link MB/s | A download s | B convert s | C streamed s | C / max(A, B) | peak disk GB "
           "(output GB + largest input GB) |\n| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -419,6 +419,38 @@ def test_destination_must_be_empty_or_an_earlier_download_of_the_same_repo(hub, 
     assert reply["type"] == "OutputError" and "org/tiny" in reply["error"]
 
 
+def test_a_second_download_into_the_same_directory_fails_fast_and_the_first_completes(hub, home, sources,
+                                                                                     tmp_path):
+    """Two downloads into one DST would each verify (and delete) files the other is still writing."""
+    dst = tmp_path / "d"
+    hub.stall(SHARD2, 1_000_000)
+    first = subprocess.Popen([sys.executable, "-c", CLI, "download", "org/tiny", str(dst), "--quiet",
+                              "--max-workers", "1"], env=hub_env(hub.url, home), cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert hub.stalled.wait(REPLY_TIMEOUT_S), "the first download never reached the stalled shard"
+        (tmp_path / "alias").symlink_to(dst)
+        for path in (dst, tmp_path / "alias"):  # the lock is on the directory, whatever path names it
+            requests = len(hub.log)
+            second = run_cli(hub_env(hub.url, home), "download", "org/tiny", str(path), "--quiet")
+            assert second.returncode == 1, second.stderr
+            assert "another ckpttool run is using this output directory" in second.stderr
+            assert "lock" in second.stderr and "fix:" in second.stderr and "Traceback" not in second.stderr
+            assert len(hub.log) == requests, "the refused download talked to the hub"
+        hub.release()
+        out, err = first.communicate(timeout=REPLY_TIMEOUT_S)
+    finally:
+        hub.release()
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, err
+    assert checkpoint_files(dst) == checkpoint_files(sources["org/tiny"])
+    assert all(same_bytes(dst / n, sources["org/tiny"] / n) for n in checkpoint_files(dst))
+    again = run_cli(hub_env(hub.url, home), "download", "org/tiny", str(dst), "--quiet")  # and it let go
+    assert again.returncode == 0, again.stderr
+
+
 def test_cli_error_exits_non_zero_without_traceback(tmp_path, monkeypatch, capsys):
     """Fails before any request, so it runs in-process through the real entry point."""
     foreign = tmp_path / "foreign"

@@ -161,6 +161,23 @@ def test_convert_streams_in_plan_order_with_at_most_k_input_files_on_disk(hub, s
     assert not (dst / PARTIAL_DIR).exists() and not (home / "hf").exists(), "something was left or written outside DST"
 
 
+def test_a_file_is_freed_once_its_tensors_are_journalled_not_at_the_next_timed_commit(hub, expected, tmp_path):
+    """With room for one file the fetcher waits for every file before the next: it asks for the commit that
+    frees it. Timed commits an hour apart would hold each transfer an hour if it did not."""
+    env = {**hub_env(hub.url, tmp_path / "home"), "CKPTTOOL_JOURNAL_SECONDS": "3600"}
+    dst = tmp_path / "out"
+    try:
+        done = cli(env, "convert", "org/five", dst, *CONVERT, "--max-input-files", 1, "--json", timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a transfer waited for a timed journal commit to free room for it")
+    assert done.returncode == 0, done.stderr
+    assert digests(dst) == digests(expected) | {"ckpttool-manifest.json": digests(dst)["ckpttool-manifest.json"]}
+    d = json.loads(done.stdout)["download"]
+    times = [d["timeline"][n] for n in WEIGHTS]
+    assert all(t.keys() >= {"fetch", "ready", "read", "freed"} for t in times), times
+    assert all(after["room"] <= before["freed"] <= after["fetch"] for before, after in zip(times, times[1:])), times
+
+
 def test_the_bound_is_raised_to_what_the_plan_needs_at_once(hub, scattered, tmp_path):
     done = cli(hub_env(hub.url, tmp_path / "home"), "convert", "org/scattered", tmp_path / "out", *CONVERT,
                "--max-input-files", 1, "--json")

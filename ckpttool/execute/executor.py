@@ -26,7 +26,7 @@ from ckpttool.plan.types import Plan
 
 # Journal granularity: work done since the last commit is redone after a crash.
 COMMIT_EVERY_BYTES = int(os.environ.get("CKPTTOOL_JOURNAL_BYTES", 1 << 30))
-COMMIT_EVERY_SECONDS = 2.0
+COMMIT_EVERY_SECONDS = float(os.environ.get("CKPTTOOL_JOURNAL_SECONDS", 2.0))
 
 
 class MemoryBudget:
@@ -109,9 +109,13 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
         nonlocal pending_bytes, last_commit
         if not in_flight:
             return
-        # a blocking wait still wakes to commit on time: a task may be waiting for an input file
-        # (hub/stream.py) that only a commit of the tasks before it frees room for
-        finished, _ = wait(list(in_flight), timeout=COMMIT_EVERY_SECONDS if block else 0, return_when=FIRST_COMPLETED)
+        # a blocking wait still wakes to commit on time, and at once when asked (staging.commit_request):
+        # a task may be waiting for an input file (hub/stream.py) that only a commit of the tasks
+        # before it frees room for. With nothing pending a request waits for the next task to finish.
+        asked = staging.commit_request
+        watch = [*in_flight, asked.future] if pending else list(in_flight)
+        finished, _ = wait(watch, timeout=COMMIT_EVERY_SECONDS if block else 0, return_when=FIRST_COMPLETED)
+        finished.discard(asked.future)
         for fut in finished:
             task, held = in_flight.pop(fut)
             budget.release(held)
@@ -122,7 +126,9 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
             pending_bytes += task.nbytes_out
             if progress is not None:
                 progress(task.nbytes_out)
-        if pending and (pending_bytes >= COMMIT_EVERY_BYTES or time.monotonic() - last_commit > COMMIT_EVERY_SECONDS):
+        if pending and (pending_bytes >= COMMIT_EVERY_BYTES or time.monotonic() - last_commit > COMMIT_EVERY_SECONDS
+                        or asked.asked()):
+            asked.clear()
             committer.submit(pending)
             pending.clear()
             pending_bytes, last_commit = 0, time.monotonic()

@@ -12,7 +12,8 @@ import os
 import shutil
 import stat
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +33,30 @@ def disk_error(exc: OSError, path: object) -> OutputError:
         return OutputError("no space left on device", file=path,
                            fix="free disk space, then rerun the same command with --resume")
     return OutputError(f"write failed: {exc.strerror}", file=path, fix="check the output filesystem, then --resume")
+
+
+class CommitRequest:
+    """A wish, from outside the executor, that finished work be journalled now rather than at the next
+    timed commit: hub/stream.py's fetcher asks while it waits for an input file to be freed, which
+    happens only once that file's tensors are journalled. A Future, so the executor can wait on it
+    beside its tasks and wake at once; cleared by each commit, so a waiter that still needs one asks again."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.future: Future = Future()
+
+    def ask(self) -> None:
+        with self._lock:
+            if not self.future.done():
+                self.future.set_result(None)
+
+    def asked(self) -> bool:
+        return self.future.done()
+
+    def clear(self) -> None:
+        with self._lock:
+            if self.future.done():
+                self.future = Future()
 
 
 class Staging:
@@ -76,6 +101,7 @@ class Staging:
         self._hashers: dict[str, PrefixHasher] = {}
         self.on_commit: Callable[[list[tuple[str, str]]], None] | None = None
         """told of every batch once it is journalled (hub/stream.py deletes the inputs nothing needs any more)"""
+        self.commit_request = CommitRequest()
 
     def _check_resumable(self, plan_path: Path, inputs: dict | None) -> None:
         """The interrupted run planned the same thing from the same input bytes (by each input file's

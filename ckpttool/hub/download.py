@@ -37,6 +37,7 @@ from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
 from ckpttool.errors import CkptError, InputError, OutputError
 from ckpttool.io.layout import name_problem
 from ckpttool.io.safetensors import printable, read_header
+from ckpttool.publish.destination import DestinationLock
 
 HUB_FAILURES = (OSError, httpx2.HTTPError, RevisionResolutionError)  # OSError covers HfHubHTTPError too
 MARKER = Path(".cache", "ckpttool", "download.json")  # in DST: what was fetched, so offline re-runs can verify
@@ -130,7 +131,24 @@ def download_checkpoint(repo_id: str, dst: str | os.PathLike | None = None, *, r
     if max_workers < 1:
         raise InputError(f"max_workers must be at least 1, got {max_workers}", fix="set max_workers to 1 or more")
     allow, ignore = _as_list(allow_patterns), _as_list(ignore_patterns)
-    local_dir = _check_destination(Path(dst), repo_id) if dst is not None else None
+    if dst is None:  # the HF cache: the hub client locks each file there itself
+        return _download(repo_id, None, revision, allow, ignore, max_workers, verify_sha256, token, quiet)
+    # one run per DST, as for every command that writes one: two downloads into one directory would
+    # interleave their partial files and each verify (and delete) what the other is still writing
+    lock = DestinationLock(Path(dst), then="a re-run fetches only the files still missing")
+    try:
+        result = _download(repo_id, Path(dst), revision, allow, ignore, max_workers, verify_sha256, token, quiet)
+    except BaseException:
+        lock.release(failed=True)
+        raise
+    lock.release()
+    return result
+
+
+def _download(repo_id: str, dst: Path | None, revision: str | None, allow: list[str] | None,
+              ignore: list[str] | None, max_workers: int, verify_sha256: bool, token: str | None,
+              quiet: bool) -> DownloadResult:
+    local_dir = _check_destination(dst, repo_id) if dst is not None else None
     offline = hf_constants.is_offline_mode()
     api = HfApi(token=token)
     where = f"{repo_id}@{revision or 'main'}"

@@ -5,7 +5,8 @@ disk at once (the one arriving included), into DST/.ckpttool-partial/fetch/, has
 Only once verified (the hub's size, the header bytes the plan was made from, the LFS sha256 or git
 sha1) is a file moved to .../input/, where the executor's reads wait for it; a file that fails is
 deleted and fetched once more, never converted. When every tensor read from a file is durable (in
-the journal) the file is deleted, so no --resume needs it again; an interrupted fetch is continued
+the journal) the file is deleted, so no --resume needs it again; a fetcher waiting for room asks
+for that commit at once rather than at the next timed one; an interrupted fetch is continued
 with a range request after its prefix is hashed again. Files this commit already has in the HF
 cache are read where they are: never copied, never deleted. Nothing outside DST is written.
 """
@@ -59,9 +60,14 @@ class StreamingCheckpoint(RemoteCheckpoint):
         self._closing = False
         self._thread: threading.Thread | None = None
         self._progress: Callable[[int], None] = lambda n: None
+        self._ask_commit: Callable[[], None] = lambda: None
         self.files_needed_at_once = self.k = 0
         self.stats = {"bytes_fetched": 0, "download_seconds": 0.0, "files_fetched": 0, "files_reused": 0,
-                      "refetched": [], "peak_disk_bytes": 0}
+                      "refetched": [], "peak_disk_bytes": 0, "room_wait_seconds": 0.0}
+        # seconds since start() of each input file's events, where overlap is lost (bench/hub_stream_bench.py):
+        # room (waited for room from), fetch (started), ready (verified), read (first opened), freed
+        self._t0 = time.monotonic()
+        self.timeline: dict[str, dict[str, float]] = {}
 
     # -- what the executor sees ----------------------------------------------------------------------
     def paths(self) -> list[Path]:
@@ -74,6 +80,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
         with self._lock:
             fd = self._fds.get(fname)
             if fd is None:
+                self._event(fname, "read")
                 fd = self._fds[fname] = os.open(self.in_place.get(fname, self.root / fname), os.O_RDONLY)
             return fd
 
@@ -110,6 +117,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
         self.k = max(self.max_files, self.files_needed_at_once)
         self._copies = list(staging.plan.copies)
         staging.on_commit = self.durable
+        self._ask_commit = staging.commit_request.ask
         for d in (self.root, self.fetch_dir):
             if os.path.islink(d):
                 raise OutputError("a staging folder is a symlink; ckpttool never creates one", file=d,
@@ -125,6 +133,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
 
     def start(self, progress: Callable[[int], None] | None = None) -> None:
         self._progress = progress or self._progress
+        self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="ckpttool-fetch", daemon=True)
         self._thread.start()
 
@@ -139,7 +148,11 @@ class StreamingCheckpoint(RemoteCheckpoint):
                         users.discard(key)
                         if not users and f in self._ready:
                             freed.append(f)
+        if not freed:
+            with self._cond:  # a fetcher waiting for room asks for the next commit
+                self._cond.notify_all()
         for f in freed:
+            self._event(f, "freed")
             self._sample_disk()
             with self._lock:
                 fd = self._fds.pop(f, None)
@@ -163,7 +176,8 @@ class StreamingCheckpoint(RemoteCheckpoint):
     def report(self) -> dict:
         s = self.stats
         seconds = s["download_seconds"]
-        return {**s, "download_seconds": round(seconds, 3), "repo_id": self.repo.repo_id, "commit": self.repo.commit,
+        return {**s, "download_seconds": round(seconds, 3), "room_wait_seconds": round(s["room_wait_seconds"], 3),
+                "timeline": self.timeline, "repo_id": self.repo.repo_id, "commit": self.repo.commit,
                 "download_gb_per_s": round(s["bytes_fetched"] / seconds / 1e9, 3) if seconds > 0 else None,
                 "files_in_place": sorted(self.in_place), "max_input_files": self.k,
                 "input_files_needed_at_once": self.files_needed_at_once}
@@ -185,10 +199,19 @@ class StreamingCheckpoint(RemoteCheckpoint):
         # 2-core box the difference was within noise, bench/RESULTS.md)
         for name in self._order:
             with self._cond:
-                self._cond.wait_for(lambda: self._resident < self.k or self._closing)
+                # the file to free may only be waiting for its tensors' journal entries: ask for that
+                # commit now, not within COMMIT_EVERY_SECONDS, which held this transfer (bench/RESULTS.md)
+                waited = time.monotonic()
+                if self._resident >= self.k:
+                    self._event(name, "room")
+                while self._resident >= self.k and not self._closing:
+                    self._ask_commit()
+                    self._cond.wait()
                 if self._closing:
                     break
                 self._resident += 1
+                self.stats["room_wait_seconds"] += time.monotonic() - waited
+            self._event(name, "fetch")
             self._guarded(name, self._obtain)
 
     def _guarded(self, name: str, fetch: Callable[[str], None]) -> None:
@@ -200,6 +223,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
                 fix="rerun the same command with --resume")
         finally:
             if name in self._ready:
+                self._event(name, "ready")
                 self._ready[name].set()
             self._sample_disk()
 
@@ -283,6 +307,9 @@ class StreamingCheckpoint(RemoteCheckpoint):
             self._active += delta
             if self._active == 0:
                 self.stats["download_seconds"] += now - self._busy_since
+
+    def _event(self, name: str, what: str) -> None:
+        self.timeline.setdefault(name, {})[what] = round(time.monotonic() - self._t0, 3)
 
     def _sample_disk(self) -> None:
         """Bytes allocated under DST now (sparse output files count what is written): the peak is reported."""

@@ -78,9 +78,10 @@ def check_destination(src: Path | None, dst: Path, *, overwrite: bool, resume: b
 
 class DestinationLock:
     """An exclusive flock on the DST directory itself for the run's lifetime: a second run on the same
-    directory (under any path, bind mounts included: the lock is on the inode) fails at once."""
+    directory (under any path, bind mounts included: the lock is on the inode) fails at once.
+    `then` ends the refusal's fix: what the user does once the other run is over."""
 
-    def __init__(self, dst: Path):
+    def __init__(self, dst: Path, *, then: str = "use --resume to continue its work"):
         self.dst = dst
         self.created = not dst.exists()
         try:
@@ -94,9 +95,9 @@ class DestinationLock:
         except OSError as exc:
             os.close(self.fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                raise OutputError("another ckpttool run is using this output directory", file=dst,
-                                  fix="wait for it to finish (or stop it), then run again; "
-                                      "use --resume to continue its work") from None
+                raise OutputError("another ckpttool run is using this output directory (it holds the "
+                                  "directory's exclusive lock)", file=dst,
+                                  fix=f"wait for it to finish (or stop it), then run again; {then}") from None
             raise OutputError(f"cannot lock the output directory: {exc.strerror or exc}", file=dst) from None
 
     def release(self, *, failed: bool = False) -> None:
