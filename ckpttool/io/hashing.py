@@ -115,31 +115,25 @@ class PrefixHasher:
 
     def _advance(self) -> None:
         try:
-            # The written range is hashed through a shared mapping of the file: the page cache's own
-            # pages, coherent with the writers, with no copy into a buffer (a pread's copy cost a
+            # The written range is hashed through read-only mappings of the file: the page cache's
+            # own pages, coherent with the writers, with no copy into a buffer (a pread's copy cost a
             # shard on tmpfs 9% of its CPU). Never a buffered reader: its read-ahead past the
             # frontier would keep bytes that are not written yet.
             started = time.perf_counter()
-            if not self.size:  # nothing to map: an empty file's hash is complete from the start
-                with self._lock:
-                    self._running = False
-                self._finish_if_complete()
-                return
             fd = os.open(self.path, os.O_RDONLY)
             try:
-                if os.fstat(fd).st_size < self.size:
+                if os.fstat(fd).st_size < self.size:  # a mapping past the end would fault (SIGBUS)
                     raise OSError(f"{self.path} is shorter than its planned {self.size} bytes")
-                with mmap.mmap(fd, self.size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
-                    while True:
-                        with self._lock:
-                            target = self._frontier
-                            if self._hashed >= target:
-                                self._running = False
-                                break
-                        while self._hashed < target:
-                            end = min(self._hashed + READ_BYTES, target)
-                            self._sha.update(view[self._hashed:end])
-                            self._hashed = end
+                while True:
+                    with self._lock:
+                        target = self._frontier
+                        if self._hashed >= target:
+                            self._running = False
+                            break
+                    while self._hashed < target:
+                        end = min(self._hashed + READ_BYTES, target)
+                        self._hash_window(fd, self._hashed, end)
+                        self._hashed = end
             finally:
                 os.close(fd)
                 if self.timings is not None:
@@ -148,6 +142,14 @@ class PrefixHasher:
         except BaseException as exc:  # noqa: BLE001 - reported by result()
             self.error = exc
             self.done.set()
+
+    def _hash_window(self, fd: int, start: int, end: int) -> None:
+        """Hash bytes [start, end) through a mapping of just that window, unmapped at once: one
+        mapping of the whole file would keep every page hashed so far in this process's RSS (page
+        cache, but counted), which would then grow with the output."""
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, end - base, prot=mmap.PROT_READ, offset=base) as mapped, memoryview(mapped) as view:
+            self._sha.update(view[start - base:])
 
     def result(self) -> str:
         self.done.wait()
