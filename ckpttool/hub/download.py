@@ -18,28 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx2
 from huggingface_hub import HfApi, get_cached_repo_tree, hf_hub_download, snapshot_download
 from huggingface_hub import constants as hf_constants
-from huggingface_hub.errors import (
-    CachedRepoTreeNotFoundError,
-    GatedRepoError,
-    HfHubHTTPError,
-    LocalEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-    RevisionResolutionError,
-)
+from huggingface_hub.errors import CachedRepoTreeNotFoundError
 from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
-from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
 
-from ckpttool.errors import CkptError, InputError, OutputError
+from ckpttool.errors import InputError, OutputError
+from ckpttool.hub.client import HUB_FAILURES, SilentTqdm, translate
 from ckpttool.io.layout import name_problem
 from ckpttool.io.safetensors import printable, read_header
 from ckpttool.publish.destination import DestinationLock
 
-HUB_FAILURES = (OSError, httpx2.HTTPError, RevisionResolutionError)  # OSError covers HfHubHTTPError too
 MARKER = Path(".cache", "ckpttool", "download.json")  # in DST: what was fetched, so offline re-runs can verify
 HASH_CHUNK = 4 << 20  # per hashing thread; memory stays max_workers x 4 MiB
 REFETCH_ATTEMPTS = 1
@@ -157,7 +147,7 @@ def _download(repo_id: str, dst: Path | None, revision: str | None, allow: list[
         resolved = api.resolve_revision(repo_id, revision=revision, local_files_only=offline, token=token)
         listing = None if offline else _list_remote(api, repo_id, resolved.resolved)
     except HUB_FAILURES as exc:
-        raise _translate(exc, where, offline) from exc
+        raise translate(exc, where, offline) from exc
     commit = resolved.resolved
     root = local_dir or Path(hf_constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") \
         / "snapshots" / commit
@@ -170,14 +160,14 @@ def _download(repo_id: str, dst: Path | None, revision: str | None, allow: list[
             local_dir.mkdir(parents=True, exist_ok=True)
             _write_marker(local_dir, repo_id, revision, commit, wanted)
 
-    tqdm_class = _SilentTqdm if quiet else None
+    tqdm_class = SilentTqdm if quiet else None
     try:
         root = Path(snapshot_download(repo_id, revision=resolved, local_dir=local_dir, allow_patterns=allow,
                                       ignore_patterns=ignore, max_workers=max_workers, token=token,
                                       local_files_only=offline, tqdm_class=tqdm_class))
     except HUB_FAILURES as exc:
         missing = [n for n in wanted if not (root / n).is_file()] if listing is not None else []
-        raise _translate(exc, where, offline, missing=missing, root=root) from exc
+        raise translate(exc, where, offline, missing=missing, root=root) from exc
     if listing is None:
         wanted = _offline_expectations(repo_id, commit, local_dir, root, allow, ignore)
 
@@ -189,7 +179,7 @@ def _download(repo_id: str, dst: Path | None, revision: str | None, allow: list[
             hf_hub_download(repo_id, name, revision=commit, local_dir=local_dir, force_download=True, token=token,
                             tqdm_class=tqdm_class)
         except HUB_FAILURES as exc:
-            raise _translate(exc, where, offline, missing=[name], root=root) from exc
+            raise translate(exc, where, offline, missing=[name], root=root) from exc
 
     reports, hashed, seconds = _verify_all(root, wanted, verify_sha256, max_workers, refetch)
     return DownloadResult(repo_id, revision or "main", commit, root, tuple(reports), offline, verify_sha256, hashed,
@@ -360,50 +350,7 @@ def _write_marker(dst: Path, repo_id: str, revision: str | None, commit: str, fi
     os.replace(tmp, path)
 
 
-# -- errors ---------------------------------------------------------------------------------------------
-
-def _translate(exc: Exception, where: str, offline: bool, *, missing: list[str] | None = None,
-               root: Path | None = None) -> CkptError:
-    """A hub or transport failure as one CkptError naming the repo, the files affected and the fix."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    login = "pass --token or set HF_TOKEN (or run `hf auth login`)"
-    if isinstance(exc, GatedRepoError):
-        return InputError(f"{where} is gated and this token has not been granted access",
-                          fix=f"accept the license on the model page, then {login}")
-    if isinstance(exc, RepositoryNotFoundError):
-        return InputError(f"{where}: repository not found, or private and no valid token was sent",
-                          fix=f"check the repo id; for a private repo {login}")
-    if isinstance(exc, RevisionNotFoundError):
-        return InputError(f"{where}: revision not found", fix="check --revision (a branch, tag or 40-hex commit)")
-    if offline:
-        return InputError(f"{where} is not fully in the local cache and HF_HUB_OFFLINE is set ({first})",
-                          fix="unset HF_HUB_OFFLINE and run once with network access")
-    if missing is not None:  # the transfer phase: say which files are not there
-        named = f"; not fetched: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else ""
-        return InputError(f"download of {where} stopped: {type(exc).__name__}: {first}{named}",
-                          file=(root / missing[0]) if missing and root else None,
-                          fix="re-run the same command: finished files are kept and are not fetched again")
-    if isinstance(exc, (RevisionResolutionError, LocalEntryNotFoundError)):
-        return InputError(f"{where}: the hub cannot be reached and the local cache does not have it ({first})",
-                          fix="check the network, HF_ENDPOINT and any proxy, then re-run")
-    if isinstance(exc, HfHubHTTPError):
-        status = exc.response.status_code if exc.response is not None else "?"
-        return InputError(f"{where}: the hub answered HTTP {status} ({first})",
-                          fix="retry later; check HF_ENDPOINT and the token if it persists")
-    return InputError(f"{where}: cannot reach the hub at {hf_constants.ENDPOINT} ({type(exc).__name__}: {first})",
-                      fix="check the network, HF_ENDPOINT and any proxy; to use what is already cached, "
-                          "set HF_HUB_OFFLINE=1")
-
-
 def _as_list(patterns: list[str] | str | None) -> list[str] | None:
     if patterns is None:
         return None
     return [patterns] if isinstance(patterns, str) else list(patterns)
-
-
-class _SilentTqdm(hf_tqdm):
-    """The hub's progress bar class, always disabled: --quiet without touching global hub state."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs["disable"] = True
-        super().__init__(*args, **kwargs)

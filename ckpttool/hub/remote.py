@@ -19,7 +19,8 @@ from huggingface_hub import constants as hf_constants
 from huggingface_hub.utils import build_hf_headers, filter_repo_objects, get_session, hf_raise_for_status
 
 from ckpttool.errors import InputError
-from ckpttool.hub.download import HUB_FAILURES, RemoteFile, _translate, _validated, is_repo_id
+from ckpttool.hub.client import HUB_FAILURES, translate
+from ckpttool.hub.download import RemoteFile, _validated, is_repo_id
 from ckpttool.io.checkpoint import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, Checkpoint
 from ckpttool.io.layout import INDEX_NAME
 from ckpttool.io.safetensors import MAX_HEADER_BYTES, SafetensorsFile, header_length, loads_strict_json, parse_header
@@ -73,7 +74,7 @@ class RemoteRepo:
                     if want is not None and len(out) >= want:
                         break
         except HUB_FAILURES as exc:
-            raise _translate(exc, self.where, False, missing=[name]) from exc
+            raise translate(exc, self.where, False, missing=[name]) from exc
         finally:
             self.requests += 1
         if cap is not None and end is None and len(out) > cap:
@@ -113,7 +114,7 @@ def open_repo(repo_id: str, *, revision: str | None = None, allow_patterns: list
     try:
         info = HfApi(token=token).model_info(repo_id, revision=revision, files_metadata=True)
     except HUB_FAILURES as exc:
-        raise _translate(exc, where, False) from exc
+        raise translate(exc, where, False) from exc
     listing = _validated({s.rfilename: RemoteFile(s.size, s.lfs.sha256 if s.lfs else None, s.blob_id)
                           for s in info.siblings or []}, f"the hub's listing of {repo_id}")
     wanted = {n: listing[n] for n in filter_repo_objects(listing, allow_patterns=allow_patterns,

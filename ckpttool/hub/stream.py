@@ -26,7 +26,7 @@ from huggingface_hub.file_download import http_get
 from ckpttool import faults
 from ckpttool.errors import InputError, OutputError
 from ckpttool.execute.staging import Staging, disk_error
-from ckpttool.hub.download import HUB_FAILURES, _SilentTqdm, _translate
+from ckpttool.hub.client import HUB_FAILURES, SilentTqdm, translate
 from ckpttool.hub.remote import RemoteCheckpoint, RemoteRepo
 from ckpttool.hub.schedule import most_live, reads, schedule
 from ckpttool.io.layout import STREAM_FETCH, STREAM_INPUT
@@ -273,7 +273,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
             self._busy(+1)
             try:
                 http_get(self.repo.url(name), sink, resume_size=have, headers=self.repo.http_headers(),
-                         expected_size=self.repo.files[name].size, displayed_filename=name, tqdm_class=_SilentTqdm)
+                         expected_size=self.repo.files[name].size, displayed_filename=name, tqdm_class=SilentTqdm)
             except _Aborted:
                 raise
             except OSError as exc:
@@ -281,9 +281,9 @@ class StreamingCheckpoint(RemoteCheckpoint):
                     return "truncated transfer: " + str(exc).splitlines()[0]
                 if exc.errno is not None:  # writing the file, not the transfer
                     raise disk_error(exc, part) from None
-                raise _translate(exc, self.repo.where, False, missing=[name]) from exc
+                raise translate(exc, self.repo.where, False, missing=[name]) from exc
             except HUB_FAILURES as exc:
-                raise _translate(exc, self.repo.where, False, missing=[name]) from exc
+                raise translate(exc, self.repo.where, False, missing=[name]) from exc
             finally:
                 self._busy(-1)
             return sink.problem(self.repo.headers.get(name))
