@@ -2,7 +2,7 @@
 the CUDA path gathers from the same table (kernels/nvfp4.py). No torch import.
 
 Two libraries define NVFP4 checkpoints, with the same tensors and different arithmetic, each
-reproduced here bit for bit (tests/test_nvfp4.py runs both libraries as the oracle):
+reproduced here bit for bit (tests/test_quant_formats.py runs both libraries as the oracle):
 
   compressed-tensors (`nvfp4-pack-quantized`, global scale G = `weight_global_scale`):
       out = bf16( e2m1(c) * fp32( fp32(s) / G ) )       e2m1(0b1000) = -0.0
