@@ -38,11 +38,15 @@ def quantized_weights(tensors: list[TensorPlan], formats: Formats) -> dict[str, 
 def scale_names(tensors: list[TensorPlan], formats: Formats) -> set[str]:
     """Names of the tensors stored beside a quantized weight in this list (scales, global scales,
     shapes, activation scales): what the dequant stage consumes or drops."""
+    return _beside(_matches(tensors, formats), {t.name for t in tensors})
+
+
+def _beside(matches: dict[str, tuple[QuantFormat, str, str]], names: set[str]) -> set[str]:
     out = set()
-    for fmt, base, scale in _matches(tensors, formats).values():
+    for fmt, base, scale in matches.values():
         out.add(scale)
         out |= set(fmt.besides(base))
-    return out & {t.name for t in tensors}
+    return out & names
 
 
 def _file(ckpt: Checkpoint, t: TensorPlan):
@@ -122,7 +126,7 @@ def dequant(tensors: list[TensorPlan], formats: Formats, out_dtype: str = "BF16"
     """Quantized weights become `out_dtype` tensors made from (weight, scale); the tensors beside them
     disappear. Returns the new list and how many weights were dequantized."""
     matches = _matches(tensors, formats)
-    beside = scale_names(tensors, formats)
+    beside = _beside(matches, {t.name for t in tensors})
     out, n = [], 0
     for t in tensors:
         if t.name in beside:
