@@ -7,12 +7,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ckpttool.errors import InputError
-from ckpttool.formats.row import Companion, QuantFormat, prod
+from ckpttool.formats.row import Companion, QuantFormat
 from ckpttool.kernels import fp8_cpu, mxfp4_cpu
 from ckpttool.kernels.fp8 import BLOCK, FP8_DTYPES, check_scale
 from ckpttool.kernels.mxfp4 import VALUES_PER_BLOCK, check_mxfp4
@@ -47,7 +48,7 @@ FP8_BLOCK = QuantFormat(
     name="fp8_block", title="DeepSeek FP8 128x128 blocks", weight_suffix="", scale_suffix=SCALE_SUFFIX, weight_dtypes=FP8_DTYPES, scale_dtype="F32",
     check=_check_fp8, out_shape=lambda shape: shape, companion=FP8_SCALE,
     row_align=BLOCK, scale_rows=lambda r0, r1: (r0 // BLOCK, -(-r1 // BLOCK)), scale_whole=True,
-    out_per_source_row=lambda shape: prod(shape[1:]),
+    out_per_source_row=lambda shape: math.prod(shape[1:]),
     cpu=fp8_cpu.dequant, cuda=_fp8_cuda, example=_fp8_example,
 )
 
@@ -80,6 +81,6 @@ MXFP4 = QuantFormat(
     name="mxfp4", title="MXFP4 (gpt-oss)", weight_suffix="_blocks", scale_suffix="_scales", weight_dtypes=("U8",), scale_dtype="U8",
     check=_check_mxfp4, out_shape=lambda s: (s[0], s[2] * VALUES_PER_BLOCK, s[1]), companion=None,
     row_align=1, scale_rows=lambda r0, r1: (r0, r1), scale_whole=False,
-    out_per_source_row=lambda shape: prod(shape[1:]) * 2,  # [.., G, 16] bytes -> G * 32 values
+    out_per_source_row=lambda shape: math.prod(shape[1:]) * 2,  # [.., G, 16] bytes -> G * 32 values
     cpu=_mxfp4_cpu, cuda=_mxfp4_cuda, example=_mxfp4_example,
 )

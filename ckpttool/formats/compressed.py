@@ -15,10 +15,12 @@ own `decompress` bit for bit.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ckpttool.errors import InputError
-from ckpttool.formats.row import QuantFormat, prod
+from ckpttool.formats.row import QuantFormat
 from ckpttool.kernels import nvfp4_cpu, scaled_cpu
 
 METHOD = "compressed-tensors"
@@ -68,7 +70,7 @@ def _int4(group: int) -> QuantFormat:
         weight_suffix="_packed", scale_suffix="_scale", weight_dtypes=("I32",), scale_dtype="BF16",
         check=check, out_shape=lambda s: (s[0], s[1] * 8), companion=None,
         row_align=1, scale_rows=lambda r0, r1: (r0, r1), scale_whole=False,
-        out_per_source_row=lambda s: prod(s[1:]) * 8,
+        out_per_source_row=lambda s: math.prod(s[1:]) * 8,
         cpu=lambda x, s, dtype, out: scaled_cpu.dequant_int4(x, s, "BF16", out), cuda=cuda, example=example,
         shape_leaf="weight_shape", keepable=False)
 
@@ -102,7 +104,7 @@ def _fp8(strategy: str) -> QuantFormat:
         weight_suffix="", scale_suffix="_scale", weight_dtypes=("F8_E4M3",), scale_dtype="BF16",
         check=check, out_shape=lambda s: s, companion=None,
         row_align=1, scale_rows=(lambda r0, r1: (r0, r1)) if strategy == "channel" else (lambda r0, r1: (0, 1)),
-        scale_whole=True, out_per_source_row=lambda s: prod(s[1:]),
+        scale_whole=True, out_per_source_row=lambda s: math.prod(s[1:]),
         cpu=lambda x, s, dtype, out: scaled_cpu.dequant_fp8_rows(x, s, dtype, "BF16", out), cuda=cuda,
         example=example, dropped_leaves=("input_scale",), keepable=False)
 
@@ -159,7 +161,7 @@ def nvfp4_row(variant: str, **fields) -> QuantFormat:
     return QuantFormat(
         weight_dtypes=("U8",), scale_dtype="F8_E4M3", check=check_nvfp4, out_shape=lambda s: (s[0], s[1] * 2),
         companion=None, row_align=1, scale_rows=lambda r0, r1: (r0, r1), scale_whole=False,
-        out_per_source_row=lambda s: prod(s[1:]) * 2, cpu=cpu, cuda=cuda, example=example, keepable=False,
+        out_per_source_row=lambda s: math.prod(s[1:]) * 2, cpu=cpu, cuda=cuda, example=example, keepable=False,
         **fields)
 
 

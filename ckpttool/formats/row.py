@@ -99,10 +99,3 @@ class QuantFormat:
         """This row with one tensor's global scale given to both kernels."""
         return replace(self, cpu=partial(self.cpu, global_scale=global_scale),
                        cuda=partial(self.cuda, global_scale=global_scale))
-
-
-def prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
