@@ -11,7 +11,7 @@ import typer
 from ckpttool.cli.options import Json
 from ckpttool.errors import InputError, printable
 from ckpttool.describe import describe
-from ckpttool.formats import MXFP4
+from ckpttool.formats import FP8_BLOCK, MXFP4
 from ckpttool.publish.publish import check_manifest
 
 
@@ -56,7 +56,7 @@ def inspect(path: Annotated[Path, typer.Argument(help="A .safetensors file or a 
                                                  ("int8_weights", "int8 weights"), ("int4_weights", "int4 weights"))
              if q[key]]
     kinds += [f"{n} {title} weights" for title, n in q["formats"].items() if title not in (
-        "DeepSeek FP8 128x128 blocks", MXFP4.title)]  # (counted above, as before)
+        FP8_BLOCK.title, MXFP4.title)]  # (counted above, as before)
     if q["unsupported"]:
         kinds.append(f"UNSUPPORTED: {q['unsupported']}")
     if q["config"] or kinds:
