@@ -1,28 +1,40 @@
 #!/bin/bash
-# Issue 17, one device call: RAM-to-RAM (tmpfs in and out) on the V3-shaped synthetic, ceilings, the
-# previous commit vs this tree on the CPU, this tree on CUDA, peak RSS, byte-identity, GPU tests.
-# Run from the root of a checkout of this branch, carry ["bench/_whl", "bench/_seeds"], where bench/_whl
-# also holds the cp312 wheels of numba, llvmlite and blake3 (pip download --no-deps --only-binary=:all:
-# --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform
-# manylinux2014_x86_64 -d bench/_whl numba==0.68.1 llvmlite==0.50.0 blake3==1.0.11: 64 MiB with the rest).
-# The baseline is commit 7b674de (issue 17's start), unpacked from git into /tmp/base17.
+# Issues 16, 17 and 19 in one device call (nvidia-h100-x1), each phase under its own time limit:
+#   1. start-up: import torch, CUDA context, first Triton call (bench/startup_probe.sh)
+#   2. Triton tiles of every dequant kernel, and DeepSeek's reference kernel beside FP8 block (bench/triton_sweep.py)
+#   3. RAM to RAM (tmpfs in and out) on the V3-shaped synthetic: ceilings, 7b674de (issue 17's start) for
+#      the bytes, this tree on the CPU (numba and numpy gathers), on CUDA, under auto, and CUDA's steady rate
+#   4. straight from the hub: download, convert and streamed convert (bench/hub_stream_bench.py)
+#   5. the GPU tests
+# Run from the root of a checkout with [".whl", ".seeds"] carried: .whl holds the cp312 wheels the image
+# lacks (pydantic, pydantic_core, annotated-types, typing-inspection, huggingface_hub 2.4 and its httpx2,
+# httpcore2, hf-xet, anyio, idna, truststore, click, typing_extensions; blake3), .seeds DeepSeek's kernel.py.
+# The baseline is commit 7b674de: bench/base17.tar.gz (git archive 7b674de ckpttool | gzip) when the
+# device's copy has no git history. PHASES=1,2,3,4,5 picks phases.
 set -u
 OUT=${OUT:-/tmp/out17}; mkdir -p "$OUT"
+PHASES=${PHASES:-1,2,3,4,5}
 exec > >(tee "$OUT/log.txt") 2>&1
-python3 -V; nproc; free -g | head -2; df -h /dev/shm | tail -1; nvidia-smi -L; uptime
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site bench/_whl/*.whl $(ls bench/_whl_llvm/*.whl 2>/dev/null) || exit 1
+on() { [[ ",$PHASES," == *",$1,"* ]]; }
+stamp() { echo "== $* $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)"; }
+python3 -V; nproc; free -g | head -2; df -h /dev/shm | tail -1; nvidia-smi -L
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -c "import numpy, numba, blake3, torch, triton; print('numpy', numpy.__version__, 'numba', numba.__version__, 'torch', torch.__version__, 'triton', triton.__version__)"
-BASE=/tmp/base17; rm -rf $BASE; mkdir -p $BASE
-# the device copy of the tree may have no git history: a tarball of the baseline beside the script wins
-if [ -f bench/base17.tar.gz ]; then tar -xzf bench/base17.tar.gz -C $BASE; else git archive 7b674de ckpttool | tar -x -C $BASE; fi || exit 1
-S=/dev/shm/v3syn
-t0=$(date +%s.%N)
-[ -d $S ] || python3 -m bench.make_synthetic --out $S --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
-echo "synthetic $(echo "$(date +%s.%N) - $t0" | bc) s"
-python3 bench/ram_ceiling.py --dir /dev/shm/ceil --gb 18 --threads 1,4,16 | tee "$OUT/ceiling.json"
-cat > /tmp/wrap.py <<'PY'
-import json, os, subprocess, sys, time
+python3 -c "import numpy, numba, blake3, torch, triton, pydantic, huggingface_hub; print('numpy', numpy.__version__, 'numba', numba.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'hub', huggingface_hub.__version__)"
+
+if on 1; then stamp start-up; timeout 120 bash bench/startup_probe.sh; fi
+
+if on 2; then stamp triton sweep; (cd bench && timeout 240 python3 triton_sweep.py --seeds ../.seeds) | tee "$OUT/sweep.jsonl"; fi
+
+if on 3; then
+  stamp ram to ram
+  BASE=/tmp/base17; rm -rf $BASE; mkdir -p $BASE
+  if [ -f bench/base17.tar.gz ]; then tar -xzf bench/base17.tar.gz -C $BASE; else git archive 7b674de ckpttool | tar -x -C $BASE; fi
+  S=/dev/shm/v3syn
+  [ -d $S ] || python3 -m bench.make_synthetic --out $S --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
+  python3 bench/ram_ceiling.py --dir /dev/shm/ceil --gb 18 --threads 1,4,16 | tee "$OUT/ceiling.json"
+  cat > /tmp/wrap.py <<'PY'
+import json, os, resource, subprocess, sys, time
 name, tree, dst, *args = sys.argv[1:]
 env = dict(os.environ, PYTHONPATH=f"/tmp/site:{tree}")
 cmd = [sys.executable, "-m", "ckpttool", "convert", "/dev/shm/v3syn", dst, "--mp", "8", "--dtype", "bf16", "--quiet", "--json", *args]
@@ -30,35 +42,42 @@ t = time.perf_counter()
 p = subprocess.Popen(cmd, env=env, cwd="/tmp", stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # not the repo root: its ckpttool/ would shadow the baseline
 out, err = p.communicate()
 wall = time.perf_counter() - t
-import resource
-rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+ru = resource.getrusage(resource.RUSAGE_CHILDREN)
 size = sum(f.stat().st_size for f in os.scandir(dst)) if os.path.isdir(dst) else 0
 try:
     timing = json.loads(out)["timing"]
 except Exception:
     timing = None
-print(json.dumps({"name": name, "rc": p.returncode, "wall_s": round(wall, 2), "gb_out": round(size / 1e9, 2),
-                  "gbps": round(size / 1e9 / wall, 2), "peak_rss_gib_max_so_far": round(rss, 2), "timing": timing,
-                  "stderr": err.decode()[-600:] if p.returncode else ""}))
+print(json.dumps({"name": name, "rc": p.returncode, "wall_s": round(wall, 2), "cpu_s": round(ru.ru_utime + ru.ru_stime, 1),
+                  "gb_out": round(size / 1e9, 2), "gbps": round(size / 1e9 / wall, 2),
+                  "peak_rss_gib": round(ru.ru_maxrss / 2**20, 2), "timing": timing, "stderr": err.decode()[-600:] if p.returncode else ""}))
 PY
-run() { rm -rf /dev/shm/o; python3 /tmp/wrap.py "$@" | tee -a "$OUT/runs.jsonl"; }
-# one wrapper process per run: ru_maxrss of RUSAGE_CHILDREN is then that run's peak
-python3 -c "
-import numpy as np; from ckpttool.kernels import fp8_cpu; import time; t=time.perf_counter()
-fp8_cpu.dequant(np.zeros((128,128),np.uint8), np.ones((1,1),np.float32), 'F8_E4M3', 'BF16'); print('numba compile or cache load', round(time.perf_counter()-t,2), 's')"
-run base-cpu-1 $BASE /dev/shm/o --device cpu; rm -rf /dev/shm/ref; mv /dev/shm/o /dev/shm/ref
-run new-cpu-1 $PWD /dev/shm/o --device cpu
-for f in /dev/shm/ref/*; do cmp -s "$f" "/dev/shm/o/$(basename "$f")" || echo "DIFF cpu $(basename "$f")"; done; echo "cmp new-cpu vs base done"
-run new-cuda-1 $PWD /dev/shm/o --device cuda
-for f in /dev/shm/ref/*.safetensors; do cmp -s "$f" "/dev/shm/o/$(basename "$f")" || echo "DIFF cuda $(basename "$f")"; done; echo "cmp new-cuda vs base done"
-run base-cpu-2 $BASE /dev/shm/o --device cpu
-run new-cpu-2 $PWD /dev/shm/o --device cpu
-run new-cuda-2 $PWD /dev/shm/o --device cuda
-run base-cpu-3 $BASE /dev/shm/o --device cpu
-run new-cpu-3 $PWD /dev/shm/o --device cpu
-run new-auto $PWD /dev/shm/o --device auto
-CKPTTOOL_NUMBA=0 run new-cpu-numpy-gather $PWD /dev/shm/o --device cpu
-rm -rf /dev/shm/o /dev/shm/ref
-dd if=/dev/zero of=/dev/shm/dd bs=16M count=1100 2>&1 | tail -1; rm -f /dev/shm/dd
-CKPTTOOL_SEEDS=$PWD/bench/_seeds timeout 200 python3 -m pytest -m gpu -o addopts='' --ignore=tests/test_download.py -q -x -p no:cacheprovider --basetemp=/tmp/pt 2>&1 | tail -6
-uptime
+  run() { rm -rf /dev/shm/o; timeout 120 python3 /tmp/wrap.py "$@" | tee -a "$OUT/runs.jsonl"; }
+  same() { for f in /dev/shm/ref/*.safetensors; do cmp -s "$f" "/dev/shm/o/$(basename "$f")" || echo "DIFF $1 $(basename "$f")"; done; echo "cmp $1 vs 7b674de done"; }
+  run base-cpu $BASE /dev/shm/o --device cpu; rm -rf /dev/shm/ref; mv /dev/shm/o /dev/shm/ref
+  run new-cpu-1 $PWD /dev/shm/o --device cpu; same new-cpu
+  run new-cuda-1 $PWD /dev/shm/o --device cuda; same new-cuda
+  run new-cpu-2 $PWD /dev/shm/o --device cpu
+  run new-cuda-2 $PWD /dev/shm/o --device cuda
+  CKPTTOOL_NUMBA=0 run new-cpu-numpy $PWD /dev/shm/o --device cpu
+  run new-auto $PWD /dev/shm/o --device auto
+  rm -rf /dev/shm/o
+  timeout 120 python3 bench/gpu_steady.py /dev/shm/v3syn /dev/shm/o --mp 8 | tee -a "$OUT/runs.jsonl"
+  rm -rf /dev/shm/o /dev/shm/ref
+  dd if=/dev/zero of=/dev/shm/dd bs=16M count=1100 2>&1 | tail -1; rm -f /dev/shm/dd
+fi
+
+if on 4; then
+  stamp hub
+  H=/dev/shm/hubsyn
+  [ -d $H ] || python3 -m bench.make_synthetic --out $H --layers 1 --dense-layers 0 --experts 48 --shards 16 --no-fsync | tail -1
+  timeout 150 python3 bench/hub_stream_bench.py --src $H --work /dev/shm/hubwork --mp 8 --reps 3 --rate 0 | tee "$OUT/hub.txt"
+  timeout 60 python3 bench/hub_stream_bench.py --src $H --work /dev/shm/hubwork --mp 8 --reps 1 --rate 400 | tee -a "$OUT/hub.txt"
+  rm -rf /dev/shm/hubwork
+fi
+
+if on 5; then
+  stamp gpu tests
+  CKPTTOOL_SEEDS=$PWD/.seeds timeout 200 python3 -m pytest -m gpu -o addopts='' -q -x -p no:cacheprovider --basetemp=/tmp/pt 2>&1 | tail -8
+fi
+stamp end

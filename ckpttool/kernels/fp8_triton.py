@@ -6,14 +6,20 @@ import torch
 import triton
 import triton.language as tl
 
+NUM_WARPS = 4
+"""Warps per 128x128 tile; bench/triton_sweep.py measures others (bench/RESULTS.md)."""
+
 
 @triton.jit
-def _dequant_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_COLS, BLOCK: tl.constexpr):
+def _dequant_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_COLS, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     pid_m = tl.program_id(axis=0)
     pid_n = tl.program_id(axis=1)
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
     offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
-    offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    if WIDE:  # 64-bit offsets cost address arithmetic: only where M * N needs them
+        offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    else:
+        offs = offs_m[:, None] * N + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
     s = tl.load(s_ptr + pid_m * S_COLS + pid_n)
@@ -35,5 +41,6 @@ def dequant(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, b
     out = torch.empty((rows, cols), dtype=out_dtype, device=weight.device)
     first_bad = torch.full((1,), rows, dtype=torch.int32, device=weight.device)
     grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
-    _dequant_kernel[grid](weight, scale, out, first_bad, rows, cols, scale.shape[1], BLOCK=block)
+    _dequant_kernel[grid](weight, scale, out, first_bad, rows, cols, scale.shape[1], BLOCK=block,
+                          WIDE=(rows + block) * (cols + block) >= 2**31, num_warps=NUM_WARPS)
     return out, first_bad

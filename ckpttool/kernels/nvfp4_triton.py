@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ckpttool.kernels.scaled_triton import _flag_nan, _round_bf16
+from ckpttool.kernels.scaled_triton import Tile, _flag_nan, _round_bf16
 
-_BM, _BB = 32, 128  # rows x packed bytes per program: 32 x 256 values
+TILE = Tile(32, 256, 4)
+"""rows x values per program (cols / 2 packed bytes), and warps; bench/triton_sweep.py measures others."""
 
 
 @triton.jit
@@ -62,7 +63,9 @@ def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed
     first_bad = torch.full((1,), rows, dtype=torch.int32, device=packed.device)
     bf16 = out_dtype == torch.bfloat16
     if rows and width:
-        grid = (triton.cdiv(rows, _BM), triton.cdiv(width, _BB))
+        bm, bb = TILE.rows, TILE.cols // 2
+        grid = (triton.cdiv(rows, bm), triton.cdiv(width, bb))
         _nvfp4_kernel[grid](packed, codes, eff, out.view(torch.int16) if bf16 else out, first_bad, rows, width * 2,
-                            width, codes.shape[1], SIGNED_ZERO=signed_zero, BM=_BM, BB=_BB, BF16=bf16)
+                            width, codes.shape[1], SIGNED_ZERO=signed_zero, BM=bm, BB=bb, BF16=bf16,
+                            num_warps=TILE.warps)
     return out, first_bad

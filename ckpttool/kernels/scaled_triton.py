@@ -5,11 +5,22 @@ dtype; a NaN result is refused through `first_bad`, as kernels/fp8_triton.py doe
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-_BM, _BN = 32, 256
+
+class Tile(NamedTuple):
+    """One program's share of the output: rows x values, and the warps that run it."""
+    rows: int
+    cols: int
+    warps: int
+
+
+TILES = {"int4": Tile(32, 256, 4), "fp8_rows": Tile(32, 256, 4)}
+"""Per kernel; bench/triton_sweep.py measures the alternatives (bench/RESULTS.md)."""
 
 
 @triton.jit
@@ -74,14 +85,14 @@ def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_STRIDE, BM: tl.conste
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(kernel, rows: int, cols: int, out_dtype: torch.dtype, device, *args, **consts):
+def _launch(kernel, tile: Tile, rows: int, cols: int, out_dtype: torch.dtype, device, *args, **consts):
     out = torch.empty((rows, cols), dtype=out_dtype, device=device)
     first_bad = torch.full((1,), rows, dtype=torch.int32, device=device)
     bf16 = out_dtype == torch.bfloat16
     if rows and cols:
-        grid = (triton.cdiv(rows, _BM), triton.cdiv(cols, _BN))
-        kernel[grid](*args[:2], out.view(torch.int16) if bf16 else out, first_bad, rows, cols, *args[2:], BM=_BM,
-                     BN=_BN, BF16=bf16, **consts)
+        grid = (triton.cdiv(rows, tile.rows), triton.cdiv(cols, tile.cols))
+        kernel[grid](*args[:2], out.view(torch.int16) if bf16 else out, first_bad, rows, cols, *args[2:],
+                     BM=tile.rows, BN=tile.cols, BF16=bf16, num_warps=tile.warps, **consts)
     return out, first_bad
 
 
@@ -92,7 +103,7 @@ def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dty
     packed, scale = packed.contiguous(), scale.contiguous().view(torch.int16)
     rows, words = packed.shape
     cols = words * 8
-    return _launch(_int4_kernel, rows, cols, out_dtype, packed.device, packed, scale, words, scale.shape[1],
+    return _launch(_int4_kernel, TILES["int4"], rows, cols, out_dtype, packed.device, packed, scale, words, scale.shape[1],
                    GROUP=cols // max(scale.shape[1], 1))
 
 
@@ -101,5 +112,5 @@ def dequant_fp8_rows(codes: torch.Tensor, scale: torch.Tensor, out_dtype: torch.
     """float8 [M, N] and a scale per row ([M, 1]) or per tensor ([1]) -> ([M, N] out_dtype, first_bad)."""
     codes, scale = codes.contiguous(), scale.contiguous().view(torch.int16).reshape(-1)
     rows, cols = codes.shape
-    return _launch(_fp8_rows_kernel, rows, cols, out_dtype, codes.device, codes, scale,
+    return _launch(_fp8_rows_kernel, TILES["fp8_rows"], rows, cols, out_dtype, codes.device, codes, scale,
                    1 if scale.numel() == rows and rows != 1 else 0)
