@@ -55,7 +55,9 @@ def main() -> None:
     size = sum(f.stat().st_size for f in a.src.glob("*.safetensors"))
     rows = []
     with HubServer([load_repo("bench/syn", a.src)]) as hub:
-        env = {**hub_env(hub.url, a.work / "home"), "PYTHONPATH": str(REPO)}
+        # the tree under test first, then whatever the caller's PYTHONPATH adds (wheels carried to a machine)
+        env = {**hub_env(hub.url, a.work / "home"),
+               "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
         for rep in range(a.reps):
             dl, out = a.work / "dl", a.work / "out"
             hub.throttle(None)

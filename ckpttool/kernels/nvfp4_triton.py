@@ -32,25 +32,25 @@ def _e2m1_f32(code, SIGNED_ZERO: tl.constexpr):
 @triton.jit
 def _nvfp4_kernel(p_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, M, N, BYTES, GROUPS, SIGNED_ZERO: tl.constexpr,
                   BM: tl.constexpr, BB: tl.constexpr, BF16: tl.constexpr):
+    """One program: BM rows x BB packed bytes, kept [BM, BB, 2] (byte, nibble) from load to store: no
+    reshape moves values between threads (as kernels/scaled_triton.py's INT4)."""
     rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
     r64 = rows[:, None].to(tl.int64)
     bcols = tl.program_id(axis=1) * BB + tl.arange(0, BB)
-    packed = tl.load(p_ptr + r64 * BYTES + bcols[None, :], mask=(rows[:, None] < M) & (bcols[None, :] < BYTES),
-                     other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(packed & 15, packed >> 4), [BM, 2 * BB])  # low nibble first
-    gcols = tl.program_id(axis=1) * (BB // 8) + tl.arange(0, BB // 8)
-    sc = tl.load(s_ptr + r64 * GROUPS + gcols[None, :], mask=(rows[:, None] < M) & (gcols[None, :] < GROUPS),
-                 other=0x38).to(tl.int32)
-    eff = tl.load(eff_ptr + sc)  # [BM, BB // 8] fp32
-    v = tl.reshape(_e2m1_f32(codes, SIGNED_ZERO), [BM, BB // 8, 16])
-    y = tl.reshape(v * eff[:, :, None], [BM, 2 * BB])
-    cols = tl.program_id(axis=1) * (2 * BB) + tl.arange(0, 2 * BB)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    _flag_nan(bad_ptr, y, rows, mask, BM, 2 * BB)
+    bmask = (rows[:, None] < M) & (bcols[None, :] < BYTES)
+    packed = tl.load(p_ptr + r64 * BYTES + bcols[None, :], mask=bmask, other=0).to(tl.int32)
+    codes = tl.join(packed & 15, packed >> 4)  # [BM, BB, 2]: low nibble first
+    sc = tl.load(s_ptr + r64 * GROUPS + (bcols // 8)[None, :], mask=bmask, other=0x38).to(tl.int32)  # 8 bytes a group
+    eff = tl.load(eff_ptr + sc)  # [BM, BB] fp32: each byte's group scale
+    y = _e2m1_f32(codes, SIGNED_ZERO) * eff[:, :, None]
+    half = tl.arange(0, 2)
+    offs = r64[:, :, None] * N + (bcols[None, :, None] * 2 + half[None, None, :])
+    mask = bmask[:, :, None] & (half[None, None, :] < 2)
+    _flag_nan(bad_ptr, y, rows[:, None, None], mask)
     if BF16:
-        tl.store(y_ptr + r64 * N + cols[None, :], _round_bf16(y), mask=mask)
+        tl.store(y_ptr + offs, _round_bf16(y), mask=mask)
     else:
-        tl.store(y_ptr + r64 * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed_zero: bool,

@@ -19,15 +19,16 @@ class Tile(NamedTuple):
     warps: int
 
 
-TILES = {"int4": Tile(32, 256, 4), "fp8_rows": Tile(32, 256, 4)}
+TILES = {"int4": Tile(32, 256, 4), "fp8_rows": Tile(16, 256, 4)}
 """Per kernel; bench/triton_sweep.py measures the alternatives (bench/RESULTS.md)."""
 
 
 @triton.jit
-def _flag_nan(bad_ptr, y, rows, mask, BM: tl.constexpr, BN: tl.constexpr):
-    """first_bad = min(first_bad, every row holding a NaN): lanes without one issue no atomic."""
-    r = rows[:, None] + tl.zeros([BM, BN], dtype=tl.int32)
-    tl.atomic_min(bad_ptr + tl.zeros([BM, BN], dtype=tl.int32), r, mask=(y != y) & mask)
+def _flag_nan(bad_ptr, y, rows, mask):
+    """first_bad = min(first_bad, every row holding a NaN): lanes without one issue no atomic. rows and mask
+    broadcast to y's shape."""
+    r = rows + tl.zeros_like(y).to(tl.int32)
+    tl.atomic_min(bad_ptr + tl.zeros_like(r), r, mask=(y != y) & mask)
 
 
 @triton.jit
@@ -48,24 +49,26 @@ def _round_bf16(y):
 @triton.jit
 def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, M, N, WORDS, S_COLS, GROUP: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BF16: tl.constexpr):
-    """One program: BM rows x BN values, from BM x BN/8 words (each loaded once) and BM x BN/GROUP scales."""
+    """One program: BM rows x BN values, from BM x BN/8 words (each loaded once) and each word's group
+    scale. Values stay [BM, BN/8, 8] (word, nibble) from load to store: a reshape to [BM, BN] moved them
+    between threads and held the kernel at 0.82x FP8 block's bandwidth (bench/RESULTS.md)."""
     rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
     r64 = rows[:, None].to(tl.int64)
     wcols = tl.program_id(axis=1) * (BN // 8) + tl.arange(0, BN // 8)
-    words = tl.load(w_ptr + r64 * WORDS + wcols[None, :], mask=(rows[:, None] < M) & (wcols[None, :] < WORDS), other=0)
+    wmask = (rows[:, None] < M) & (wcols[None, :] < WORDS)
+    words = tl.load(w_ptr + r64 * WORDS + wcols[None, :], mask=wmask, other=0)
+    s = _bf16_bits_to_f32(tl.load(s_ptr + r64 * S_COLS + (wcols // (GROUP // 8))[None, :], mask=wmask, other=0))
+    nibble = tl.arange(0, 8)
     # value 8w + k is bits 4k..4k+3 of word w, biased by 8
-    q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15) - 8
-    gcols = tl.program_id(axis=1) * (BN // GROUP) + tl.arange(0, BN // GROUP)
-    s = _bf16_bits_to_f32(tl.load(s_ptr + r64 * S_COLS + gcols[None, :],
-                                  mask=(rows[:, None] < M) & (gcols[None, :] < S_COLS), other=0))
-    y = tl.reshape(tl.reshape(q.to(tl.float32), [BM, BN // GROUP, GROUP]) * s[:, :, None], [BM, BN])
-    cols = tl.program_id(axis=1) * BN + tl.arange(0, BN)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    _flag_nan(bad_ptr, y, rows, mask, BM, BN)
+    q = ((words[:, :, None] >> (nibble * 4)[None, None, :]) & 15) - 8
+    y = q.to(tl.float32) * s[:, :, None]
+    offs = r64[:, :, None] * N + (wcols[None, :, None] * 8 + nibble[None, None, :])
+    mask = wmask[:, :, None] & (nibble[None, None, :] < 8)
+    _flag_nan(bad_ptr, y, rows[:, None, None], mask)
     if BF16:
-        tl.store(y_ptr + r64 * N + cols[None, :], _round_bf16(y), mask=mask)
+        tl.store(y_ptr + offs, _round_bf16(y), mask=mask)
     else:
-        tl.store(y_ptr + r64 * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -78,7 +81,7 @@ def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_STRIDE, BM: tl.conste
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = _bf16_bits_to_f32(tl.load(s_ptr + rows * S_STRIDE, mask=rows < M, other=0))
     y = x * s[:, None]
-    _flag_nan(bad_ptr, y, rows, mask, BM, BN)
+    _flag_nan(bad_ptr, y, rows[:, None], mask)
     if BF16:
         tl.store(y_ptr + offs, _round_bf16(y), mask=mask)
     else:
