@@ -120,9 +120,7 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
             task, held = in_flight.pop(fut)
             budget.release(held)
             written = fut.result()  # re-raises a worker's error here, in the main thread
-            for file, placed in written:
-                pending.append((file, placed.tensor.name))
-                staging.written(file, placed.start, placed.end)
+            pending.extend((file, placed.tensor.name) for file, placed in written)
             pending_bytes += task.nbytes_out
             if progress is not None:
                 progress(task.nbytes_out)

@@ -180,8 +180,11 @@ class Staging:
         except OSError as exc:
             raise disk_error(exc, self.dir / file) from None
         hasher = self._hashers.get(file)
-        if hasher is not None and hasher.offer(offset, data):
-            self.timings.count("hash_bytes_from_memory", memoryview(data).nbytes)
+        if hasher is not None:
+            nbytes = memoryview(data).nbytes
+            if hasher.offer(offset, data):
+                self.timings.count("hash_bytes_from_memory", nbytes)
+            hasher.written(offset, offset + nbytes)
 
     def copy_range(self, file: str, src_fd: int, src_offset: int, nbytes: int, offset: int) -> bool:
         """Copy nbytes of an input at src_offset to `offset` of `file` inside the kernel (copy_file_range:
@@ -198,6 +201,7 @@ class Staging:
                 if n == 0:
                     return False if not done else self._short(file)
                 done += n
+            self.written(file, offset, offset + nbytes)
         except OSError as exc:
             if not done and exc.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF):
                 return False
@@ -225,7 +229,10 @@ class Staging:
             self.on_commit(entries)
 
     def written(self, file: str, start: int, end: int) -> None:
-        """Bytes [start, end) of `file` hold their final contents (feeds the running hash)."""
+        """Bytes [start, end) of `file` hold their final contents (feeds the running hash). Said of each
+        piece as it lands, not of a tensor once it is whole: a large tensor split over every mp file (an
+        attention projection) then no longer holds each file's hash back until it is done, which had
+        left most of the hashing for after the last write on 16 workers (bench/RESULTS.md)."""
         hasher = self._hashers.get(file)
         if hasher is not None:
             hasher.written(start, end)
