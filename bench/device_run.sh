@@ -71,10 +71,15 @@ fi
 if on 4; then
   stamp hub
   H=/dev/shm/hubsyn
-  [ -d $H ] || python3 -m bench.make_synthetic --out $H --layers 1 --dense-layers 0 --experts 48 --shards 16 --no-fsync | tail -1
-  timeout 130 python3 bench/hub_stream_bench.py --src $H --work /dev/shm/hubwork --mp 8 --reps 2 --rate 0 | tee "$OUT/hub.txt"
-  timeout 60 python3 bench/hub_stream_bench.py --src $H --work /dev/shm/hubwork --mp 8 --reps 1 --rate 400 | tee -a "$OUT/hub.txt"
+  [ -d $H ] || python3 -m bench.make_synthetic --out $H --layers 1 --dense-layers 0 --experts 16 --vocab 16384 --shards 16 --no-fsync | tail -1
+  timeout 150 python3 bench/hub_stream_bench.py --src $H --work /dev/shm/hubwork --mp 8 --reps 2 --rate 0 | tee "$OUT/hub.txt"
   rm -rf /dev/shm/hubwork
+fi
+
+if on 6; then
+  stamp hash lag
+  for w in 0 8; do timeout 60 python3 bench/hash_lag.py /dev/shm/v3syn /dev/shm/o --workers $w | tee -a "$OUT/hashlag.jsonl"; done
+  rm -rf /dev/shm/o
 fi
 
 if on 5; then

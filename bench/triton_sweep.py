@@ -31,7 +31,7 @@ from ckpttool.kernels.scaled_triton import Tile
 
 SHAPES = {"large": (7168, 18432), "small": (7168, 2048)}
 FORMAT = {"int4": "ct_int4_g32", "fp8_rows": "ct_fp8_channel", "nvfp4": "ct_nvfp4", "fp8_block": "fp8_block"}
-GRID = [Tile(r, c, w) for r, c, w in itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4, 8))]
+GRID = [Tile(r, c, w) for r, c, w in itertools.product((2, 4, 8), (256, 512, 1024), (2, 4, 8))]
 
 
 def streamed(fn, calls: int = 20, reps: int = 5) -> float:

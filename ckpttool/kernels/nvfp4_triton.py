@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ckpttool.kernels.scaled_triton import Tile, _flag_nan, _round_bf16
 
-TILE = Tile(32, 256, 4)
+TILE = Tile(4, 256, 2)
 """rows x values per program (cols / 2 packed bytes), and warps; bench/triton_sweep.py measures others."""
 
 
@@ -30,22 +30,25 @@ def _e2m1_f32(code, SIGNED_ZERO: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_kernel(p_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, M, N, BYTES, GROUPS, SIGNED_ZERO: tl.constexpr,
-                  BM: tl.constexpr, BB: tl.constexpr, BF16: tl.constexpr):
-    """One program: BM rows x BB packed bytes, kept [BM, BB, 2] (byte, nibble) from load to store: no
-    reshape moves values between threads (as kernels/scaled_triton.py's INT4)."""
+def _nvfp4_kernel(w_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, M, N, WORDS, GROUPS, SIGNED_ZERO: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BF16: tl.constexpr):
+    """One program: BM rows x BN values, read as BM x BN/8 little-endian int32 words of packed bytes (value
+    8w + k is bits 4k..4k+3 of word w: each byte's low nibble first) and each word's group scale (16 values,
+    2 words, a group). Values stay [BM, BN/8, 8] from load to store, as kernels/scaled_triton.py's INT4:
+    bytes split with tl.join ran at 0.66x FP8 block's bandwidth, a reshape to [BM, BN] at 0.49-0.83x
+    (bench/RESULTS.md)."""
     rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
     r64 = rows[:, None].to(tl.int64)
-    bcols = tl.program_id(axis=1) * BB + tl.arange(0, BB)
-    bmask = (rows[:, None] < M) & (bcols[None, :] < BYTES)
-    packed = tl.load(p_ptr + r64 * BYTES + bcols[None, :], mask=bmask, other=0).to(tl.int32)
-    codes = tl.join(packed & 15, packed >> 4)  # [BM, BB, 2]: low nibble first
-    sc = tl.load(s_ptr + r64 * GROUPS + (bcols // 8)[None, :], mask=bmask, other=0x38).to(tl.int32)  # 8 bytes a group
-    eff = tl.load(eff_ptr + sc)  # [BM, BB] fp32: each byte's group scale
+    wcols = tl.program_id(axis=1) * (BN // 8) + tl.arange(0, BN // 8)
+    wmask = (rows[:, None] < M) & (wcols[None, :] < WORDS)
+    words = tl.load(w_ptr + r64 * WORDS + wcols[None, :], mask=wmask, other=0)
+    sc = tl.load(s_ptr + r64 * GROUPS + (wcols // 2)[None, :], mask=wmask, other=0x38).to(tl.int32)
+    eff = tl.load(eff_ptr + sc)  # [BM, BN/8] fp32: each word's group scale
+    nibble = tl.arange(0, 8)
+    codes = (words[:, :, None] >> (nibble * 4)[None, None, :]) & 15
     y = _e2m1_f32(codes, SIGNED_ZERO) * eff[:, :, None]
-    half = tl.arange(0, 2)
-    offs = r64[:, :, None] * N + (bcols[None, :, None] * 2 + half[None, None, :])
-    mask = bmask[:, :, None] & (half[None, None, :] < 2)
+    offs = r64[:, :, None] * N + (wcols[None, :, None] * 8 + nibble[None, None, :])
+    mask = wmask[:, :, None] & (nibble[None, None, :] < 8)
     _flag_nan(bad_ptr, y, rows[:, None, None], mask)
     if BF16:
         tl.store(y_ptr + offs, _round_bf16(y), mask=mask)
@@ -56,16 +59,18 @@ def _nvfp4_kernel(p_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, M, N, BYTES, GROUPS, SI
 def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed_zero: bool,
             out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 packed [M, N/2], uint8 scale codes [M, N/16], fp32 effective scales [256] on one device
-    -> ([M, N] out_dtype, first_bad). Shapes are checked at plan time (formats/compressed.py)."""
+    -> ([M, N] out_dtype, first_bad). Shapes are checked at plan time (formats/compressed.py: N is a
+    multiple of 16, so each row is whole int32 words)."""
     packed, codes = packed.contiguous(), codes.contiguous()
+    if packed.data_ptr() % 4:  # a view at an odd offset: words need 4-byte alignment
+        packed = packed.clone()
     rows, width = packed.shape
     out = torch.empty((rows, width * 2), dtype=out_dtype, device=packed.device)
     first_bad = torch.full((1,), rows, dtype=torch.int32, device=packed.device)
     bf16 = out_dtype == torch.bfloat16
     if rows and width:
-        bm, bb = TILE.rows, TILE.cols // 2
-        grid = (triton.cdiv(rows, bm), triton.cdiv(width, bb))
-        _nvfp4_kernel[grid](packed, codes, eff, out.view(torch.int16) if bf16 else out, first_bad, rows, width * 2,
-                            width, codes.shape[1], SIGNED_ZERO=signed_zero, BM=bm, BB=bb, BF16=bf16,
-                            num_warps=TILE.warps)
+        grid = (triton.cdiv(rows, TILE.rows), triton.cdiv(width * 2, TILE.cols))
+        _nvfp4_kernel[grid](packed.view(torch.int32), codes, eff, out.view(torch.int16) if bf16 else out, first_bad,
+                            rows, width * 2, width // 4, codes.shape[1], SIGNED_ZERO=signed_zero, BM=TILE.rows,
+                            BN=TILE.cols, BF16=bf16, num_warps=TILE.warps)
     return out, first_bad

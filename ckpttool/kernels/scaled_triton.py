@@ -19,7 +19,7 @@ class Tile(NamedTuple):
     warps: int
 
 
-TILES = {"int4": Tile(32, 256, 4), "fp8_rows": Tile(16, 256, 4)}
+TILES = {"int4": Tile(4, 256, 2), "fp8_rows": Tile(16, 256, 4)}
 """Per kernel; bench/triton_sweep.py measures the alternatives (bench/RESULTS.md)."""
 
 
