@@ -33,9 +33,10 @@ ALGORITHMS = ("blake3", "sha256")
 
 
 def new_hash(algorithm: str = ALGORITHM):
-    """BLAKE3 hashes an update of 8 MiB on every core (its own thread pool; the digest is the same for
-    any number of threads): the end of a conversion waits for the files written last to be hashed, and
-    one thread per file made that wait 1.2-1.5 s of a 4.4 s conversion on 16 cores (bench/RESULTS.md)."""
+    """BLAKE3 may hash an 8 MiB update on several cores (its own thread pool; the digest is the same for
+    any number of threads). Meant for the wait for the files written last at the end of a conversion
+    (1.2-1.5 s of 4.4 s on 16 cores); on the device that wait did not shrink with it (bench/RESULTS.md),
+    so the cause is still open."""
     if algorithm == "blake3":
         from blake3 import blake3
 
