@@ -50,6 +50,20 @@ def streamed(fn, calls: int = 20, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def rates(row: dict, shape: str, sets: list, call) -> None:
+    """GB/s of output, streamed and per call, alternating the two input sets."""
+    state = {"i": 0}
+
+    def rotating():
+        _, _, _, xc, sc = sets[state["i"] % 2]
+        state["i"] += 1
+        return call(xc, sc)
+
+    rows, cols = SHAPES[shape]
+    row[f"{shape}_out_gbps_streamed"] = round(rows * cols * 2 / streamed(rotating) / 1e9, 1)
+    row[f"{shape}_out_gbps_per_call"] = round(rows * cols * 2 / time_cuda(rotating, 30) / 1e9, 1)
+
+
 def set_tile(kernel: str, tile: Tile) -> None:
     if kernel == "nvfp4":
         nvfp4_triton.TILE = tile
@@ -101,22 +115,12 @@ def main() -> int:
             row = {"kernel": kernel, "config": list(cfg) if kernel != "fp8_block" else {"warps": cfg, "wide": wide},
                    "default": cfg == default if kernel != "fp8_block" else (cfg == fp8_triton.NUM_WARPS and not wide)}
             try:
-                for shape, (rows, cols) in SHAPES.items():
-                    sets = data[shape]
-                    state = {"i": 0}
-
-                    def rotating():
-                        _, _, _, xc, sc = sets[state["i"] % 2]
-                        state["i"] += 1
-                        return call(xc, sc)
-
+                for shape, sets in data.items():
                     y = call(sets[0][3], sets[0][4])[0].view(torch.int16).cpu()
                     if shape == "large" and "large" not in want:
                         want["large"] = y  # the first candidate's; the small shape checks it against the CPU
                     row[f"{shape}_same_bits"] = bool(torch.equal(y, want[shape]))
-                    t_stream, t_call = streamed(rotating), time_cuda(rotating, 30)
-                    row[f"{shape}_out_gbps_streamed"] = round(rows * cols * 2 / t_stream / 1e9, 1)
-                    row[f"{shape}_out_gbps_per_call"] = round(rows * cols * 2 / t_call / 1e9, 1)
+                    rates(row, shape, sets, call)
             except Exception as exc:  # a tile that does not compile or run is a result, not a stop
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             print(json.dumps(row), flush=True)
@@ -129,17 +133,8 @@ def main() -> int:
             torch.set_default_dtype(torch.bfloat16)
             try:
                 row = {"kernel": "reference weight_dequant"}
-                for shape, (rows, cols) in SHAPES.items():
-                    sets = data[shape]
-                    state = {"i": 0}
-
-                    def rotating():
-                        _, _, _, xc, sc = sets[state["i"] % 2]
-                        state["i"] += 1
-                        return weight_dequant(xc, sc)
-
-                    row[f"{shape}_out_gbps_streamed"] = round(rows * cols * 2 / streamed(rotating) / 1e9, 1)
-                    row[f"{shape}_out_gbps_per_call"] = round(rows * cols * 2 / time_cuda(rotating, 30) / 1e9, 1)
+                for shape, sets in data.items():
+                    rates(row, shape, sets, weight_dequant)
             finally:
                 torch.set_default_dtype(torch.float32)
             print(json.dumps(row), flush=True)
