@@ -231,8 +231,8 @@ class Staging:
     def written(self, file: str, start: int, end: int) -> None:
         """Bytes [start, end) of `file` hold their final contents (feeds the running hash). Said of each
         piece as it lands, not of a tensor once it is whole: a large tensor split over every mp file (an
-        attention projection) then no longer holds each file's hash back until it is done, which had
-        left most of the hashing for after the last write on 16 workers (bench/RESULTS.md)."""
+        attention projection) then no longer holds each file's hash back until it is done (with 16 workers
+        on the 2-core box that left most of the hashing for after the last write; bench/RESULTS.md)."""
         hasher = self._hashers.get(file)
         if hasher is not None:
             hasher.written(start, end)
