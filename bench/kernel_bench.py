@@ -44,19 +44,21 @@ def peak_bandwidth(props, name: str) -> tuple[float | None, str]:
     return None, "unknown"
 
 
-def time_cuda(fn, reps: int) -> float:
-    """Median seconds per call, CUDA events, after warm-up."""
-    for _ in range(3):
+def time_cuda(fn, reps: int, calls: int = 1, warmup: int = 3) -> float:
+    """Median seconds per call, CUDA events, after warm-up: each of reps timings spans `calls` calls
+    queued back to back (calls > 1 hides the host's launch cost behind the GPU)."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     times.sort()
     return times[len(times) // 2]
 

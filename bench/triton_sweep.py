@@ -34,20 +34,9 @@ FORMAT = {"int4": "ct_int4_g32", "fp8_rows": "ct_fp8_channel", "nvfp4": "ct_nvfp
 GRID = [Tile(r, c, w) for r, c, w in itertools.product((2, 4, 8), (256, 512, 1024), (2, 4, 8))]
 
 
-def streamed(fn, calls: int = 20, reps: int = 5) -> float:
-    """Seconds per call with `calls` queued back to back (median of reps)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+def streamed(fn) -> float:
+    """Seconds per call with 20 calls queued back to back (median of 5)."""
+    return time_cuda(fn, 5, calls=20, warmup=1)
 
 
 def rates(row: dict, shape: str, sets: list, call) -> None:
