@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ckpttool.kernels.scaled_triton import Tile, _flag_nan, _round_bf16
+from ckpttool.kernels.scaled_triton import Tile, _store_checked
 
 TILE = Tile(4, 256, 2)
 """rows x values per program (cols / 2 packed bytes), and warps; bench/triton_sweep.py measures others."""
@@ -49,11 +49,7 @@ def _nvfp4_kernel(w_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, M, N, WORDS, GROUPS, SI
     y = _e2m1_f32(codes, SIGNED_ZERO) * eff[:, :, None]
     offs = r64[:, :, None] * N + (wcols[None, :, None] * 8 + nibble[None, None, :])
     mask = wmask[:, :, None] & (nibble[None, None, :] < 8)
-    _flag_nan(bad_ptr, y, rows[:, None, None], mask)
-    if BF16:
-        tl.store(y_ptr + offs, _round_bf16(y), mask=mask)
-    else:
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_checked(y_ptr, bad_ptr, y, offs, rows[:, None, None], mask, BF16)
 
 
 def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed_zero: bool,

@@ -47,6 +47,16 @@ def _round_bf16(y):
 
 
 @triton.jit
+def _store_checked(y_ptr, bad_ptr, y, offs, rows, mask, BF16: tl.constexpr):
+    """Refuse NaN rows (first_bad), then store y: bf16 rounded by _round_bf16, else y_ptr's dtype."""
+    _flag_nan(bad_ptr, y, rows, mask)
+    if BF16:
+        tl.store(y_ptr + offs, _round_bf16(y), mask=mask)
+    else:
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, M, N, WORDS, S_COLS, GROUP: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BF16: tl.constexpr):
     """One program: BM rows x BN values, from BM x BN/8 words (each loaded once) and each word's group
@@ -64,11 +74,7 @@ def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, M, N, WORDS, S_COLS, GROUP: tl.co
     y = q.to(tl.float32) * s[:, :, None]
     offs = r64[:, :, None] * N + (wcols[None, :, None] * 8 + nibble[None, None, :])
     mask = wmask[:, :, None] & (nibble[None, None, :] < 8)
-    _flag_nan(bad_ptr, y, rows[:, None, None], mask)
-    if BF16:
-        tl.store(y_ptr + offs, _round_bf16(y), mask=mask)
-    else:
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_checked(y_ptr, bad_ptr, y, offs, rows[:, None, None], mask, BF16)
 
 
 @triton.jit
@@ -81,11 +87,7 @@ def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_STRIDE, BM: tl.conste
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = _bf16_bits_to_f32(tl.load(s_ptr + rows * S_STRIDE, mask=rows < M, other=0))
     y = x * s[:, None]
-    _flag_nan(bad_ptr, y, rows[:, None], mask)
-    if BF16:
-        tl.store(y_ptr + offs, _round_bf16(y), mask=mask)
-    else:
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    _store_checked(y_ptr, bad_ptr, y, offs, rows[:, None], mask, BF16)
 
 
 def _launch(kernel, tile: Tile, rows: int, cols: int, out_dtype: torch.dtype, device, *args, **consts):
