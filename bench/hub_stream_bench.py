@@ -35,6 +35,7 @@ def timed(env: dict, *args) -> tuple[float, dict | None]:
     t = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)], env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - t
+    print(f"  {seconds:7.2f} s  ckpttool {' '.join(map(str, args))}", file=sys.stderr, flush=True)  # a phase cut off still shows
     if done.returncode != 0:
         sys.exit(f"ckpttool {' '.join(map(str, args))} failed:\n{done.stderr}")
     return seconds, (json.loads(done.stdout) if "--json" in args else None)

@@ -8,14 +8,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 
+from ckpttool.execute.osutil import in_memory_fs
 from ckpttool.families.deepseek.demo import build_checkpoint
 from ckpttool.io.layout import PARTIAL_DIR, STREAM_FETCH, STREAM_INPUT
 
@@ -176,6 +179,26 @@ def test_a_file_is_freed_once_its_tensors_are_journalled_not_at_the_next_timed_c
     times = [d["timeline"][n] for n in WEIGHTS]
     assert all(t.keys() >= {"fetch", "ready", "read", "freed"} for t in times), times
     assert all(after["room"] <= before["freed"] <= after["fetch"] for before, after in zip(times, times[1:])), times
+
+
+def test_a_stream_into_tmpfs_reads_in_fetch_order(hub, expected):
+    """On tmpfs the executor writes in output order (execute.tasks.run_order), but a streamed input
+    arrives in read order: the stream's tasks must run in read order there too, or the fetcher waits for
+    room the executor frees only after a file still to come (this hung on the device's /dev/shm)."""
+    if not (os.path.isdir("/dev/shm") and in_memory_fs("/dev/shm")):
+        pytest.skip("no tmpfs at /dev/shm on this machine")
+    scratch = Path(tempfile.mkdtemp(prefix="ckpttool-test-", dir="/dev/shm"))
+    try:
+        dst = scratch / "out"
+        try:
+            done = cli(hub_env(hub.url, scratch / "home"), "convert", "org/five", dst, *CONVERT,
+                       "--max-input-files", 1, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("a stream into tmpfs waited for room that was never freed")
+        assert done.returncode == 0, done.stderr
+        assert digests(dst) == digests(expected) | {"ckpttool-manifest.json": digests(dst)["ckpttool-manifest.json"]}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_the_bound_is_raised_to_what_the_plan_needs_at_once(hub, scattered, tmp_path):

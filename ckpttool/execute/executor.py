@@ -17,9 +17,8 @@ from typing import Callable
 from ckpttool import defaults
 from ckpttool.execute.cuda import CudaTransforms
 from ckpttool.execute.device import resolve_device
-from ckpttool.execute.osutil import in_memory_fs
 from ckpttool.execute.staging import Staging
-from ckpttool.execute.tasks import GatherTask, Task, make_tasks
+from ckpttool.execute.tasks import GatherTask, Task, make_tasks, run_order
 from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS
 from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.plan.types import Plan
@@ -93,11 +92,7 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
     gpu = CudaTransforms(dev, [BY_NAME[n] for n in used], staging.timings) if dev != "cpu" and used else None
     if gpu is not None and wait_for_cuda:
         gpu.wait()
-    # walk each input file front to back: cold sequential reads beat output order (18.6 s vs 23.0 s
-    # on a 10.9 GB checkpoint, bench/RESULTS.md); output offsets are planned, so bytes are unchanged.
-    # An input in RAM (tmpfs) has no seek to save: there output order lets each file's hash take most
-    # pieces from the writer's memory instead of re-reading them (1.15 of 1.85 GB vs 0.05 GB, 2-core box)
-    tasks.sort(key=(lambda t: t.write_order) if in_memory_fs(inputs.root) else (lambda t: t.read_order))
+    run_order(tasks, inputs)
     budget = MemoryBudget(max_memory)
     pending: list[tuple[str, str]] = []
     pending_bytes = 0

@@ -1,13 +1,13 @@
 """The order a conversion reads its input files in, and what streaming them costs in disk and time.
 
-The executor runs its tasks in read order (execute/executor.py); each input file is needed from its
+The executor runs a stream's tasks in read order (execute.tasks.run_order); each input file is needed from its
 first task to its last. Fetching files in first-use order with room for K on disk cannot deadlock
 when K is at least the most files some task window needs at once (most_live).
 """
 
 from __future__ import annotations
 
-from ckpttool.execute.tasks import make_tasks
+from ckpttool.execute.tasks import make_tasks, run_order
 from ckpttool.hub.remote import RemoteCheckpoint, measure_rate
 from ckpttool.plan.types import Plan
 
@@ -16,9 +16,8 @@ RATE_PROBE_BYTES = 16 << 20  # `plan REPO_ID` times one range request of this mu
 
 def schedule(plan: Plan, inputs: RemoteCheckpoint, done=frozenset(), published=frozenset(),
              files: set[str] | None = None) -> tuple[list, dict[str, int], dict[str, int]]:
-    """The executor's tasks in its order (read order), and each input file's first and last task."""
-    tasks = make_tasks(plan, inputs, done, published, files)
-    tasks.sort(key=lambda t: t.read_order)
+    """The executor's tasks in its order (execute.tasks.run_order: read order for a stream), and each input file's first and last task."""
+    tasks = run_order(make_tasks(plan, inputs, done, published, files), inputs)
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, task in enumerate(tasks):
