@@ -4,8 +4,10 @@
 #   2. Triton tiles of every dequant kernel, and DeepSeek's reference kernel beside FP8 block (bench/triton_sweep.py)
 #   3. RAM to RAM (tmpfs in and out) on the V3-shaped synthetic: ceilings, 7b674de (issue 17's start) for
 #      the bytes, this tree on the CPU (numba and numpy gathers), on CUDA, under auto, and CUDA's steady rate
-#   4. straight from the hub: download, convert and streamed convert (bench/hub_stream_bench.py)
+#   4. straight from the hub: download, convert and streamed convert (bench/hub_stream_bench.py); runs first,
+#      on a 1.4 GB input, so a later phase running long cannot cut it off
 #   5. the GPU tests
+#   6. the manifest's hash against the bytes written, sampled during a run (bench/hash_lag.py)
 # Run from the root of a checkout with [".whl", ".seeds"] carried: .whl holds the cp312 wheels the image
 # lacks (pydantic, pydantic_core, annotated-types, typing-inspection, huggingface_hub 2.4 and its httpx2,
 # httpcore2, hf-xet, anyio, idna, truststore, click, typing_extensions; blake3), .seeds DeepSeek's kernel.py.
@@ -21,6 +23,14 @@ python3 -V; nproc; free -g | head -2; df -h /dev/shm | tail -1; nvidia-smi -L
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import numpy, numba, blake3, torch, triton, pydantic, huggingface_hub; print('numpy', numpy.__version__, 'numba', numba.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'hub', huggingface_hub.__version__)"
+
+if on 4; then
+  stamp hub
+  H=/dev/shm/hubsyn
+  [ -d $H ] || python3 -m bench.make_synthetic --out $H --layers 1 --dense-layers 0 --experts 16 --vocab 16384 --shards 16 --no-fsync | tail -1
+  timeout 150 python3 bench/hub_stream_bench.py --src $H --work /dev/shm/hubwork --mp 8 --reps 2 --rate 0 | tee "$OUT/hub.txt"
+  rm -rf /dev/shm/hubwork
+fi
 
 if on 1; then stamp start-up; timeout 120 bash bench/startup_probe.sh; fi
 
@@ -68,16 +78,10 @@ PY
   dd if=/dev/zero of=/dev/shm/dd bs=16M count=1100 2>&1 | tail -1; rm -f /dev/shm/dd
 fi
 
-if on 4; then
-  stamp hub
-  H=/dev/shm/hubsyn
-  [ -d $H ] || python3 -m bench.make_synthetic --out $H --layers 1 --dense-layers 0 --experts 16 --vocab 16384 --shards 16 --no-fsync | tail -1
-  timeout 150 python3 bench/hub_stream_bench.py --src $H --work /dev/shm/hubwork --mp 8 --reps 2 --rate 0 | tee "$OUT/hub.txt"
-  rm -rf /dev/shm/hubwork
-fi
 
 if on 6; then
   stamp hash lag
+  [ -d /dev/shm/v3syn ] || python3 -m bench.make_synthetic --out /dev/shm/v3syn --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
   for w in 0 8; do timeout 60 python3 bench/hash_lag.py /dev/shm/v3syn /dev/shm/o --workers $w | tee -a "$OUT/hashlag.jsonl"; done
   rm -rf /dev/shm/o
 fi
