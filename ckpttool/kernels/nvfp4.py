@@ -7,14 +7,25 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from ckpttool.kernels import nvfp4_cpu
 
 
+PRESCALE = np.float32(2**14)
+"""the kernel's e2m1 values come 2**-14 times too small (nvfp4_triton._e2m1_f32); the scales carry it"""
+
+
 @functools.lru_cache(maxsize=64)
-def _device_scales(variant: str, global_scale: float, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(nvfp4_cpu.block_scales(variant, global_scale).copy()).to(device)
+def _device_scales(variant: str, global_scale: float, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The 256 effective scales on the device, times 2**14 unless that would overflow one (then the kernel
+    multiplies each value by 2**14 itself). A power of two: the product with the kernel's value is exact."""
+    eff = nvfp4_cpu.block_scales(variant, global_scale)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = eff * PRESCALE
+    prescaled = bool(np.array_equal(np.isfinite(scaled), np.isfinite(eff)))
+    return torch.from_numpy((scaled if prescaled else eff).copy()).to(device), prescaled
 
 
 def dequant_nvfp4_cuda(packed: torch.Tensor, scale: torch.Tensor, variant: str, global_scale: float,
@@ -23,5 +34,6 @@ def dequant_nvfp4_cuda(packed: torch.Tensor, scale: torch.Tensor, variant: str, 
     the first row whose scales hold a NaN code (M when none), left on the device for the caller."""
     from ckpttool.kernels import nvfp4_triton
 
-    eff = _device_scales(variant, float(global_scale), packed.device)
-    return nvfp4_triton.dequant(packed, scale.view(torch.uint8), eff, variant == "compressed-tensors", out_dtype)
+    eff, prescaled = _device_scales(variant, float(global_scale), packed.device)
+    return nvfp4_triton.dequant(packed, scale.view(torch.uint8), eff, variant == "compressed-tensors", out_dtype,
+                                prescaled)

@@ -1,7 +1,7 @@
 """Triton NVFP4 dequant for CUDA. Imported only when a CUDA tensor is dequantized.
 
 The same IEEE operations as the CPU's table (kernels/nvfp4_cpu.py): each code's exact e2m1 value (built
-from its bits) times its group's effective scale (the fp32 of scale code / G, or * S2, computed on the
+from its bits, possibly as 2**-14 times it against a scale 2**14 times larger: the same real product) times its group's effective scale (the fp32 of scale code / G, or * S2, computed on the
 CPU once per tensor: 256 values), one fp32 multiply, rounded once into the output dtype (bf16 with
 integer arithmetic, as the CPU). A NaN scale code makes its row's values NaN: refused via first_bad.
 """
@@ -19,19 +19,24 @@ TILE = Tile(4, 256, 2)
 
 
 @triton.jit
-def _e2m1_f32(code, SIGNED_ZERO: tl.constexpr):
-    """A 4-bit e2m1 code's exact value as fp32, from bits: 0, 0.5, then 2**(e - 1) * (1 + m / 2)."""
-    mag = code & 7
-    bits = tl.where(mag >= 2, ((126 + (mag >> 1)) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 0x3F000000, 0))
-    sign = (code & 8) << 28
+def _e2m1_f32(code, SIGNED_ZERO: tl.constexpr, PRESCALED: tl.constexpr):
+    """A 4-bit e2m1 code's exact value as fp32, times 2**-14 when PRESCALED (the scales carry the 2**14).
+    The code's magnitude bits placed as fp16's top exponent and mantissa bits are that fp16's own (0.5 a
+    subnormal), 2**-14 times the e2m1 value; widening fp16 -> fp32 is exact. Four integer operations and
+    one conversion: decoding the exponent from bits took 14 and held the kernel at 0.76x FP8 block's
+    bandwidth (bench/RESULTS.md)."""
+    h = ((code & 7) << 9) | ((code & 8) << 12)
     if not SIGNED_ZERO:  # ModelOpt's table holds +0.0 for code 8
-        sign = tl.where(mag == 0, 0, sign)
-    return (bits | sign).to(tl.float32, bitcast=True)
+        h = tl.where(h == 0x8000, 0, h)
+    v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if not PRESCALED:
+        v = v * 16384.0
+    return v
 
 
 @triton.jit
 def _nvfp4_kernel(w_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, M, N, WORDS, GROUPS, SIGNED_ZERO: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BF16: tl.constexpr):
+                  PRESCALED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BF16: tl.constexpr):
     """One program: BM rows x BN values, read as BM x BN/8 little-endian int32 words of packed bytes (value
     8w + k is bits 4k..4k+3 of word w: each byte's low nibble first) and each word's group scale (16 values,
     2 words, a group). Values stay [BM, BN/8, 8] from load to store, as kernels/scaled_triton.py's INT4:
@@ -46,16 +51,16 @@ def _nvfp4_kernel(w_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, M, N, WORDS, GROUPS, SI
     eff = tl.load(eff_ptr + sc)  # [BM, BN/8] fp32: each word's group scale
     nibble = tl.arange(0, 8)
     codes = (words[:, :, None] >> (nibble * 4)[None, None, :]) & 15
-    y = _e2m1_f32(codes, SIGNED_ZERO) * eff[:, :, None]
+    y = _e2m1_f32(codes, SIGNED_ZERO, PRESCALED) * eff[:, :, None]
     offs = r64[:, :, None] * N + (wcols[None, :, None] * 8 + nibble[None, None, :])
     mask = wmask[:, :, None] & (nibble[None, None, :] < 8)
     _store_checked(y_ptr, bad_ptr, y, offs, rows[:, None, None], mask, BF16)
 
 
 def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed_zero: bool,
-            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            out_dtype: torch.dtype, prescaled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 packed [M, N/2], uint8 scale codes [M, N/16], fp32 effective scales [256] on one device
-    -> ([M, N] out_dtype, first_bad). Shapes are checked at plan time (formats/compressed.py: N is a
+    (times 2**14 when `prescaled`: see _e2m1_f32) -> ([M, N] out_dtype, first_bad). Shapes are checked at plan time (formats/compressed.py: N is a
     multiple of 16, so each row is whole int32 words)."""
     packed, codes = packed.contiguous(), codes.contiguous()
     if packed.data_ptr() % 4:  # a view at an odd offset: words need 4-byte alignment
@@ -67,6 +72,7 @@ def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed
     if rows and width:
         grid = (triton.cdiv(rows, TILE.rows), triton.cdiv(width * 2, TILE.cols))
         _nvfp4_kernel[grid](packed.view(torch.int32), codes, eff, out.view(torch.int16) if bf16 else out, first_bad,
-                            rows, width * 2, width // 4, codes.shape[1], SIGNED_ZERO=signed_zero, BM=TILE.rows,
+                            rows, width * 2, width // 4, codes.shape[1], SIGNED_ZERO=signed_zero, PRESCALED=prescaled,
+                            BM=TILE.rows,
                             BN=TILE.cols, BF16=bf16, num_warps=TILE.warps)
     return out, first_bad
