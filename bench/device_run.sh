@@ -8,6 +8,7 @@
 #      on a 1.4 GB input, so a later phase running long cannot cut it off
 #   5. the GPU tests
 #   6. the manifest's hash against the bytes written, sampled during a run (bench/hash_lag.py)
+#   7. RAM to RAM on the CPU with 16, 12 and 8 workers, interleaved, three rounds
 # Run from the root of a checkout with [".whl", ".seeds"] carried: .whl holds the cp312 wheels the image
 # lacks (pydantic, pydantic_core, annotated-types, typing-inspection, huggingface_hub 2.4 and its httpx2,
 # httpcore2, hf-xet, anyio, idna, truststore, click, typing_extensions; blake3), .seeds DeepSeek's kernel.py.
@@ -24,26 +25,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import numpy, numba, blake3, torch, triton, pydantic, huggingface_hub; print('numpy', numpy.__version__, 'numba', numba.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'hub', huggingface_hub.__version__)"
 
-if on 4; then
-  stamp hub
-  H=/dev/shm/hubsyn
-  [ -d $H ] || python3 -m bench.make_synthetic --out $H --layers 1 --dense-layers 0 --experts 16 --vocab 16384 --shards 16 --no-fsync | tail -1
-  timeout 150 python3 bench/hub_stream_bench.py --src $H --work /dev/shm/hubwork --mp 8 --reps 2 --rate 0 | tee "$OUT/hub.txt"
-  rm -rf /dev/shm/hubwork
-fi
-
-if on 1; then stamp start-up; timeout 120 bash bench/startup_probe.sh; fi
-
-if on 2; then stamp triton sweep; (cd bench && timeout 240 python3 triton_sweep.py --seeds ../.seeds --only ${SWEEP:-int4,nvfp4,fp8_block}) | tee "$OUT/sweep.jsonl"; fi
-
-if on 3; then
-  stamp ram to ram
-  BASE=/tmp/base17; rm -rf $BASE; mkdir -p $BASE
-  if [ -f bench/base17.tar.gz ]; then tar -xzf bench/base17.tar.gz -C $BASE; else git archive 7b674de ckpttool | tar -x -C $BASE; fi
-  S=/dev/shm/v3syn
-  [ -d $S ] || python3 -m bench.make_synthetic --out $S --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
-  python3 bench/ram_ceiling.py --dir /dev/shm/ceil --gb 18 --threads 1,4,16 | tee "$OUT/ceiling.json"
-  cat > /tmp/wrap.py <<'PY'
+# one conversion of /dev/shm/v3syn, timed from outside: NAME TREE DST [ARGS]; prints a JSON line
+cat > /tmp/wrap.py <<'PY'
 import json, os, resource, subprocess, sys, time
 name, tree, dst, *args = sys.argv[1:]
 env = dict(os.environ, PYTHONPATH=f"/tmp/site:{tree}")
@@ -62,6 +45,27 @@ print(json.dumps({"name": name, "rc": p.returncode, "wall_s": round(wall, 2), "c
                   "gb_out": round(size / 1e9, 2), "gbps": round(size / 1e9 / wall, 2),
                   "peak_rss_gib": round(ru.ru_maxrss / 2**20, 2), "timing": timing, "stderr": err.decode()[-600:] if p.returncode else ""}))
 PY
+
+if on 4; then
+  stamp hub
+  # HUB_SYN: make_synthetic's arguments (default 1.4 GB in 13 files; the V3-shaped 10.87 GB one is phase 3's)
+  H=/dev/shm/hubsyn-$(echo "${HUB_SYN:-}" | md5sum | cut -c1-8)
+  [ -d $H ] || python3 -m bench.make_synthetic --out $H ${HUB_SYN:---layers 1 --dense-layers 0 --experts 16 --vocab 16384 --shards 16} --no-fsync | tail -1
+  timeout ${HUB_LIMIT:-150} python3 bench/hub_stream_bench.py --src $H --work /dev/shm/hubwork --mp 8 --reps ${HUB_REPS:-2} --rate 0 | tee -a "$OUT/hub.txt"
+  rm -rf /dev/shm/hubwork
+fi
+
+if on 1; then stamp start-up; timeout 120 bash bench/startup_probe.sh; fi
+
+if on 2; then stamp triton sweep; (cd bench && timeout 240 python3 triton_sweep.py --seeds ../.seeds --only ${SWEEP:-int4,nvfp4,fp8_block}) | tee "$OUT/sweep.jsonl"; fi
+
+if on 3; then
+  stamp ram to ram
+  BASE=/tmp/base17; rm -rf $BASE; mkdir -p $BASE
+  if [ -f bench/base17.tar.gz ]; then tar -xzf bench/base17.tar.gz -C $BASE; else git archive 7b674de ckpttool | tar -x -C $BASE; fi
+  S=/dev/shm/v3syn
+  [ -d $S ] || python3 -m bench.make_synthetic --out $S --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
+  python3 bench/ram_ceiling.py --dir /dev/shm/ceil --gb 18 --threads 1,4,16 | tee "$OUT/ceiling.json"
   run() { rm -rf /dev/shm/o; timeout 120 python3 /tmp/wrap.py "$@" | tee -a "$OUT/runs.jsonl"; }
   same() { for f in /dev/shm/ref/*.safetensors; do cmp -s "$f" "/dev/shm/o/$(basename "$f")" || echo "DIFF $1 $(basename "$f")"; done; echo "cmp $1 vs 7b674de done"; }
   run base-cpu $BASE /dev/shm/o --device cpu; rm -rf /dev/shm/ref; mv /dev/shm/o /dev/shm/ref
@@ -79,6 +83,15 @@ PY
 fi
 
 
+if on 7; then
+  stamp workers
+  [ -d /dev/shm/v3syn ] || python3 -m bench.make_synthetic --out /dev/shm/v3syn --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
+  for i in 1 2 3; do for w in 16 12 8; do
+    rm -rf /dev/shm/o; timeout 120 python3 /tmp/wrap.py "workers-$w" $PWD /dev/shm/o --device cpu --workers $w | tee -a "$OUT/workers.jsonl"
+  done; done
+  rm -rf /dev/shm/o
+fi
+
 if on 6; then
   stamp hash lag
   [ -d /dev/shm/v3syn ] || python3 -m bench.make_synthetic --out /dev/shm/v3syn --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
@@ -91,6 +104,6 @@ if on 5; then
   # the image's transformers wants its own huggingface_hub (< 2): the GPU tests run beside it, without ours
   mkdir -p /tmp/site-t; cp -r /tmp/site/pydantic* /tmp/site/annotated_types* /tmp/site/typing_inspection* /tmp/site/blake3* /tmp/site-t/
   PYTHONPATH=/tmp/site-t:$PWD CKPTTOOL_SEEDS=$PWD/.seeds timeout 240 python3 -m pytest -m gpu -o addopts='' -q -p no:cacheprovider \
-    --basetemp=/tmp/pt $(grep -l "mark.gpu" tests/*.py) 2>&1 | tail -15
+    --basetemp=/tmp/pt ${GPU_TESTS:-$(grep -l "mark.gpu" tests/*.py)} 2>&1 | tail -15
 fi
 stamp end
