@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0, help="MB/s the hub sends at; 0: input bytes / conversion time")
     p.add_argument("--max-input-files", type=int, default=2)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--stream-args", action="append", default=None, metavar="ARGS",
+                   help="more arguments of C, one streamed run per --stream-args ('' for none; default: one run)")
     a = p.parse_args()
     shutil.rmtree(a.work, ignore_errors=True)
     a.work.mkdir(parents=True)
@@ -70,20 +72,23 @@ def main() -> None:
             shutil.rmtree(dl)
             a_s, _ = timed(env, "download", "bench/syn", dl, "-q")
             shutil.rmtree(dl)
-            c, report = timed(env, "convert", "bench/syn", out, *convert, "--max-input-files", a.max_input_files)
-            shutil.rmtree(out)
-            d = report["download"]
-            rows.append({"rep": rep, "input_gb": size / 1e9, "rate_mb_s": rate / 1e6, "A_download_s": a_s,
-                         "B_convert_s": b, "C_stream_s": c, "ratio": c / max(a_s, b),
-                         "peak_disk_gb": d["peak_disk_bytes"] / 1e9, "output_gb": report["bytes_written"] / 1e9,
-                         "largest_input_gb": max(f.stat().st_size for f in a.src.glob("*.safetensors")) / 1e9,
-                         "C_link_busy_s": d["download_seconds"], "C_room_wait_s": d.get("room_wait_seconds"),
-                         "C_timeline": d.get("timeline")})  # per input file, seconds from the fetcher's start
-            print(json.dumps(rows[-1]), flush=True)
-    print("| rep | input GB | link MB/s | A download s | B convert s | C streamed s | C / max(A, B) | peak disk GB "
-          "(output GB + largest input GB) |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+            variants = a.stream_args or [""]
+            for extra in (variants if rep % 2 == 0 else variants[::-1]):  # alternating which runs first
+                c, report = timed(env, "convert", "bench/syn", out, *convert, "--max-input-files", a.max_input_files,
+                                  *extra.split())
+                shutil.rmtree(out)
+                d = report["download"]
+                rows.append({"rep": rep, "stream_args": extra, "input_gb": size / 1e9, "rate_mb_s": rate / 1e6,
+                             "A_download_s": a_s, "B_convert_s": b, "C_stream_s": c, "ratio": c / max(a_s, b),
+                             "peak_disk_gb": d["peak_disk_bytes"] / 1e9, "output_gb": report["bytes_written"] / 1e9,
+                             "largest_input_gb": max(f.stat().st_size for f in a.src.glob("*.safetensors")) / 1e9,
+                             "C_link_busy_s": d["download_seconds"], "C_room_wait_s": d.get("room_wait_seconds"),
+                             "C_timeline": d.get("timeline")})  # per input file, seconds from the fetcher's start
+                print(json.dumps(rows[-1]), flush=True)
+    print("| rep | C's arguments | input GB | link MB/s | A download s | B convert s | C streamed s | C / max(A, B) | "
+          "peak disk GB (output GB + largest input GB) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['rep']} | {r['input_gb']:.2f} | {r['rate_mb_s']:.0f} | {r['A_download_s']:.2f} | {r['B_convert_s']:.2f} "
+        print(f"| {r['rep']} | {r['stream_args'] or '-'} | {r['input_gb']:.2f} | {r['rate_mb_s']:.0f} | {r['A_download_s']:.2f} | {r['B_convert_s']:.2f} "
               f"| {r['C_stream_s']:.2f} | **{r['ratio']:.2f}** | {r['peak_disk_gb']:.2f} ({r['output_gb']:.2f} + "
               f"{r['largest_input_gb']:.2f}) |")
 
