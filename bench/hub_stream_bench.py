@@ -88,8 +88,8 @@ def main() -> None:
     print("| rep | C's arguments | input GB | link MB/s | A download s | B convert s | C streamed s | C / max(A, B) | "
           "peak disk GB (output GB + largest input GB) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['rep']} | {r['stream_args'] or '-'} | {r['input_gb']:.2f} | {r['rate_mb_s']:.0f} | {r['A_download_s']:.2f} | {r['B_convert_s']:.2f} "
-              f"| {r['C_stream_s']:.2f} | **{r['ratio']:.2f}** | {r['peak_disk_gb']:.2f} ({r['output_gb']:.2f} + "
+        print(f"| {r['rep']} | {r['stream_args'] or '-'} | {r['input_gb']:.2f} | {r['rate_mb_s']:.0f} "
+              f"| {r['A_download_s']:.2f} | {r['B_convert_s']:.2f} | {r['C_stream_s']:.2f} | **{r['ratio']:.2f}** | {r['peak_disk_gb']:.2f} ({r['output_gb']:.2f} + "
               f"{r['largest_input_gb']:.2f}) |")
 
 

@@ -1,7 +1,7 @@
 """The order a conversion reads its input files in, and what streaming them costs in disk and time.
 
-The executor runs a stream's tasks in read order (execute.tasks.run_order); each input file is needed from its
-first task to its last. Fetching files in first-use order with room for K on disk cannot deadlock
+The executor runs a stream's tasks in read order (execute.tasks.run_order); each input file is needed
+from its first task to its last. Fetching files in first-use order with room for K on disk cannot deadlock
 when K is at least the most files some task window needs at once (most_live).
 """
 
@@ -16,7 +16,8 @@ RATE_PROBE_BYTES = 16 << 20  # `plan REPO_ID` times one range request of this mu
 
 def schedule(plan: Plan, inputs: RemoteCheckpoint, done=frozenset(), published=frozenset(),
              files: set[str] | None = None) -> tuple[list, dict[str, int], dict[str, int]]:
-    """The executor's tasks in its order (execute.tasks.run_order: read order for a stream), and each input file's first and last task."""
+    """The executor's tasks in its order (execute.tasks.run_order: read order for a stream), and each
+    input file's first and last task."""
     tasks = run_order(make_tasks(plan, inputs, done, published, files), inputs)
     first: dict[str, int] = {}
     last: dict[str, int] = {}

@@ -1,9 +1,11 @@
 """Triton NVFP4 dequant for CUDA. Imported only when a CUDA tensor is dequantized.
 
 The same IEEE operations as the CPU's table (kernels/nvfp4_cpu.py): each code's exact e2m1 value (built
-from its bits, possibly as 2**-14 times it against a scale 2**14 times larger: the same real product) times its group's effective scale (the fp32 of scale code / G, or * S2, computed on the
+from its bits) times its group's effective scale (the fp32 of scale code / G, or * S2, computed on the
 CPU once per tensor: 256 values), one fp32 multiply, rounded once into the output dtype (bf16 with
-integer arithmetic, as the CPU). A NaN scale code makes its row's values NaN: refused via first_bad.
+integer arithmetic, as the CPU). The kernel's value may be 2**-14 times the e2m1 value against a scale
+2**14 times larger: the same real product, so the same rounding. A NaN scale code makes its row's
+values NaN: refused via first_bad.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ def _nvfp4_kernel(w_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, M, N, WORDS, GROUPS, SI
 def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed_zero: bool,
             out_dtype: torch.dtype, prescaled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 packed [M, N/2], uint8 scale codes [M, N/16], fp32 effective scales [256] on one device
-    (times 2**14 when `prescaled`: see _e2m1_f32) -> ([M, N] out_dtype, first_bad). Shapes are checked at plan time (formats/compressed.py: N is a
-    multiple of 16, so each row is whole int32 words)."""
+    (times 2**14 when `prescaled`: see _e2m1_f32) -> ([M, N] out_dtype, first_bad). Shapes are checked at
+    plan time (formats/compressed.py: N is a multiple of 16, so each row is whole int32 words)."""
     packed, codes = packed.contiguous(), codes.contiguous()
     if packed.data_ptr() % 4:  # a view at an odd offset: words need 4-byte alignment
         packed = packed.clone()
@@ -74,6 +76,5 @@ def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed
         grid = (triton.cdiv(rows, TILE.rows), triton.cdiv(width * 2, TILE.cols))
         _nvfp4_kernel[grid](packed.view(torch.int32), codes, eff, out.view(torch.int16) if bf16 else out, first_bad,
                             rows, width * 2, width // 4, codes.shape[1], SIGNED_ZERO=signed_zero, PRESCALED=prescaled,
-                            BM=TILE.rows,
-                            BN=TILE.cols, BF16=bf16, num_warps=TILE.warps)
+                            BM=TILE.rows, BN=TILE.cols, BF16=bf16, num_warps=TILE.warps)
     return out, first_bad
