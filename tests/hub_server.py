@@ -29,6 +29,10 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt")  # what a real repo's .gitattributes sends to LFS
 STALL_LIMIT_S = 30.0  # a stalled transfer gives up on its own, so a broken test cannot hang the server
+SEND_BYTES = 1 << 20
+"""a body goes out in pieces of this much (each paced by `throttle`). 64 KiB pieces held an unthrottled
+transfer to 0.4 GB/s of one core's Python, and slower still while a conversion on the same machine took
+the other cores (bench/RESULTS.md): the test link, not ckpttool, set the overlap bench's pace."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,10 +336,11 @@ class _Handler(BaseHTTPRequestHandler):
         last = end if stop is None else stop
         view = memoryview(data)[start:last]
         try:
-            for i in range(0, len(view), 64 * 1024):
-                self.hub._pace(len(view[i:i + 64 * 1024]))
-                self.wfile.write(view[i:i + 64 * 1024])
-                self.req.sent += len(view[i:i + 64 * 1024])
+            for i in range(0, len(view), SEND_BYTES):
+                piece = view[i:i + SEND_BYTES]
+                self.hub._pace(len(piece))
+                self.wfile.write(piece)
+                self.req.sent += len(piece)
             self.wfile.flush()
             if stall:
                 self.hub.stalled.set()
