@@ -29,10 +29,10 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt")  # what a real repo's .gitattributes sends to LFS
 STALL_LIMIT_S = 30.0  # a stalled transfer gives up on its own, so a broken test cannot hang the server
-SEND_BYTES = 1 << 20
-"""a body goes out in pieces of this much (each paced by `throttle`). 64 KiB pieces held an unthrottled
-transfer to 0.4 GB/s of one core's Python, and slower still while a conversion on the same machine took
-the other cores (bench/RESULTS.md): the test link, not ckpttool, set the overlap bench's pace."""
+SEND_BYTES = 64 * 1024
+"""a body goes out in pieces of this much, each paced by `throttle`. 1 MiB pieces were tried for the
+overlap bench: an unthrottled 10.87 GB download took 52 s on the 16-core device against 24-28 s with
+these (bench/RESULTS.md)."""
 
 
 @dataclass(frozen=True, slots=True)
