@@ -11,6 +11,9 @@ conversion take as long as each other: the case overlap has to earn most. Exampl
 
     python bench/make_synthetic.py --out /tmp/syn --layers 1 --experts 8 --shards 4 --vocab 4096
     PYTHONPATH=. python bench/hub_stream_bench.py --src /tmp/syn --work /tmp/hubbench --mp 8 --reps 2
+
+`--stream-args '' --stream-args '--workers 8'` times C once per variant in each rep (which one goes first
+alternates), against the same A and B.
 """
 
 from __future__ import annotations
