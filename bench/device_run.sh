@@ -13,7 +13,7 @@
 # lacks (pydantic, pydantic_core, annotated-types, typing-inspection, huggingface_hub 2.4 and its httpx2,
 # httpcore2, hf-xet, anyio, idna, truststore, click, typing_extensions; blake3), .seeds DeepSeek's kernel.py.
 # The baseline is commit 7b674de: bench/base17.tar.gz (git archive 7b674de ckpttool | gzip) when the
-# device's copy has no git history. PHASES=1,2,3,4,5 picks phases.
+# device's copy has no git history. PHASES=1,2,3,4,5 picks phases (the default; 6 and 7 run only when named).
 set -u
 OUT=${OUT:-/tmp/out17}; mkdir -p "$OUT"
 PHASES=${PHASES:-1,2,3,4,5}
