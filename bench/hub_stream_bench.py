@@ -38,7 +38,8 @@ def timed(env: dict, *args) -> tuple[float, dict | None]:
     t = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)], env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - t
-    print(f"  {seconds:7.2f} s  ckpttool {' '.join(map(str, args))}", file=sys.stderr, flush=True)  # a phase cut off still shows
+    # each step as it ends: a phase cut off by its time limit still shows how far it got
+    print(f"  {seconds:7.2f} s  ckpttool {' '.join(map(str, args))}", file=sys.stderr, flush=True)
     if done.returncode != 0:
         sys.exit(f"ckpttool {' '.join(map(str, args))} failed:\n{done.stderr}")
     return seconds, (json.loads(done.stdout) if "--json" in args else None)
@@ -59,6 +60,7 @@ def main() -> None:
     a.work.mkdir(parents=True)
     convert = ("--mp", a.mp, "--device", "cpu", "--json")
     size = sum(f.stat().st_size for f in a.src.glob("*.safetensors"))
+    largest = max(f.stat().st_size for f in a.src.glob("*.safetensors"))
     rows = []
     with HubServer([load_repo("bench/syn", a.src)]) as hub:
         # the tree under test first, then whatever the caller's PYTHONPATH adds (wheels carried to a machine)
@@ -84,7 +86,7 @@ def main() -> None:
                 rows.append({"rep": rep, "stream_args": extra, "input_gb": size / 1e9, "rate_mb_s": rate / 1e6,
                              "A_download_s": a_s, "B_convert_s": b, "C_stream_s": c, "ratio": c / max(a_s, b),
                              "peak_disk_gb": d["peak_disk_bytes"] / 1e9, "output_gb": report["bytes_written"] / 1e9,
-                             "largest_input_gb": max(f.stat().st_size for f in a.src.glob("*.safetensors")) / 1e9,
+                             "largest_input_gb": largest / 1e9,
                              "C_link_busy_s": d["download_seconds"], "C_room_wait_s": d.get("room_wait_seconds"),
                              "C_timeline": d.get("timeline")})  # per input file, seconds from the fetcher's start
                 print(json.dumps(rows[-1]), flush=True)
@@ -92,8 +94,8 @@ def main() -> None:
           "peak disk GB (output GB + largest input GB) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['rep']} | {r['stream_args'] or '-'} | {r['input_gb']:.2f} | {r['rate_mb_s']:.0f} "
-              f"| {r['A_download_s']:.2f} | {r['B_convert_s']:.2f} | {r['C_stream_s']:.2f} | **{r['ratio']:.2f}** | {r['peak_disk_gb']:.2f} ({r['output_gb']:.2f} + "
-              f"{r['largest_input_gb']:.2f}) |")
+              f"| {r['A_download_s']:.2f} | {r['B_convert_s']:.2f} | {r['C_stream_s']:.2f} | **{r['ratio']:.2f}** "
+              f"| {r['peak_disk_gb']:.2f} ({r['output_gb']:.2f} + {r['largest_input_gb']:.2f}) |")
 
 
 if __name__ == "__main__":

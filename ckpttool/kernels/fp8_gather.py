@@ -60,8 +60,16 @@ def gather_numpy(codes: np.ndarray, tables: np.ndarray, out: np.ndarray, block: 
             np.add(codes[b0:b1], base, out=ix)
             np.take(tables[b0 // block].reshape(-1), ix, out=out[b0:b1], mode="clip")
             b0 = b1
-        w = worst[:n]
-        np.bitwise_and(out[r0:r1], mask, out=w)
-        if w.max() > inf:
-            return r0 + int(np.flatnonzero((w > inf).any(axis=1))[0])
+        bad = first_nan_row(out[r0:r1], mask, inf, worst[:n])
+        if bad >= 0:
+            return r0 + bad
     return -1
+
+
+def first_nan_row(out: np.ndarray, mask: int, inf: int, worst: np.ndarray) -> int:
+    """The first row of `out` (output carrier bits) holding a NaN: bits whose masked value is above
+    +inf's; -1 if none. `worst` is scratch of out's shape and dtype."""
+    np.bitwise_and(out, mask, out=worst)
+    if worst.max() <= inf:
+        return -1
+    return int(np.flatnonzero((worst > inf).any(axis=1))[0])

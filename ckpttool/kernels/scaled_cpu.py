@@ -20,6 +20,7 @@ import numpy as np
 
 from ckpttool.dtypes import CARRIERS
 from ckpttool.kernels import scaled_numba
+from ckpttool.kernels.fp8_gather import first_nan_row
 from ckpttool.kernels.fp8_cpu import INF_BITS, NaNCodes, code_tables, round_to_bf16
 
 _STEP_ELEMENTS = 1 << 20  # output elements per step: temporaries of 4 MiB, in L2 (as kernels/fp8_cpu.py)
@@ -125,8 +126,7 @@ def fp8_rows_numpy(codes: np.ndarray, tables: np.ndarray, per_row: bool, out: np
             np.take(flat, ix, out=out[r0:r1])
         else:
             np.take(flat, codes[r0:r1], out=out[r0:r1])
-        w = worst[: r1 - r0]
-        np.bitwise_and(out[r0:r1], mask, out=w)
-        if w.max() > inf:
-            return r0 + int(np.flatnonzero((w > inf).any(axis=1))[0])
+        bad = first_nan_row(out[r0:r1], mask, inf, worst[: r1 - r0])
+        if bad >= 0:
+            return r0 + bad
     return -1
