@@ -64,6 +64,39 @@ def test_int4_every_byte_with_edge_scales_matches_compressed_tensors(cpu_path):
     assert ref.dtype == torch.bfloat16 and (ours == np_bits(ref)).all()
 
 
+def random_int4(rows: int, cols: int, distinct_scales: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """packed int32 [rows, cols / 8] of random bytes and group-32 bf16 scales drawn from about
+    `distinct_scales` values."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (rows, cols // 2), dtype=torch.int32, generator=gen).to(torch.uint8)
+    pool = (torch.rand(distinct_scales, generator=gen) * 1e-2).bfloat16()
+    return packed.view(torch.int32), pool[torch.randint(0, distinct_scales, (rows, cols // 32), generator=gen)]
+
+
+# numpy's INT4 takes one table per distinct scale where the tables are at most an eighth of the output,
+# else decodes, multiplies and rounds: 12 distinct scales give the first, ~2000 in 64 x 1024 the second
+@pytest.mark.parametrize("distinct_scales", [12, 4000])
+def test_int4_with_few_or_many_distinct_scales_matches_compressed_tensors(distinct_scales, cpu_path):
+    packed, scale = random_int4(64, 1024, distinct_scales, seed=5)
+    ours = scaled_cpu.dequant_int4(packed.numpy(), np_bits(scale), "BF16", "BF16")
+    ref = ct_decompress({"weight_packed": packed, "weight_scale": scale,
+                         "weight_shape": torch.tensor([64, 1024])}, "ct_int4")
+    assert len(torch.unique(scale)) > (256 if distinct_scales > 12 else 0)
+    assert (ours == np_bits(ref)).all()
+
+
+@pytest.mark.parametrize("distinct_scales", [12, 4000])
+@pytest.mark.parametrize("out", ["F16", "F32"])
+def test_int4_to_f16_and_f32_is_the_fp32_product_rounded_once(out, distinct_scales, cpu_path):
+    packed, scale = random_int4(32, 2048, distinct_scales, seed=6)
+    b = packed.view(torch.uint8).to(torch.int32)
+    q = torch.stack([(b & 15) - 8, (b >> 4) - 8], dim=-1).reshape(32, 2048)  # value 2k: low nibble of byte k
+    exact = q.float() * scale.float().repeat_interleave(32, dim=1)  # exact: 4-bit integers times bf16
+    ref = exact if out == "F32" else exact.half()
+    ours = scaled_cpu.dequant_int4(packed.numpy(), np_bits(scale), "BF16", out)
+    assert ours.tobytes() == ref.numpy().tobytes()
+
+
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 def test_fp8_every_code_with_edge_scales_matches_compressed_tensors(strategy, cpu_path):
     gen = torch.Generator().manual_seed(2)

@@ -79,11 +79,15 @@ def round_to_bf16(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
 
 def code_tables(scale: np.ndarray, fmt: str, out_dtype: str) -> np.ndarray:
     """[S0, S1, 256] for scales [S0, S1] (a 128x128 block's each here, a row's in kernels/scaled_cpu.py):
-    each scale's 256 outputs in the carrier's bits (uint16 or uint32), computed exactly as the
-    elementwise kernel would: fp32 product, then the rounding."""
+    each scale's 256 outputs in the carrier's bits (uint16 or uint32)."""
+    return value_tables(fp8_values(fmt), scale, out_dtype)
+
+
+def value_tables(values: np.ndarray, scale: np.ndarray, out_dtype: str) -> np.ndarray:
+    """[*scale.shape, len(values)]: each fp32 value times each scale in the output carrier's bits,
+    computed exactly as the elementwise kernels would: one fp32 product, then the rounding."""
     with np.errstate(over="ignore"):
-        prod = np.multiply(fp8_values(fmt)[None, None, :], scale.astype(np.float32, copy=False)[:, :, None],
-                           dtype=np.float32)
+        prod = np.multiply(values, scale.astype(np.float32, copy=False)[..., None], dtype=np.float32)
     if out_dtype == "BF16":
         out = np.empty(prod.shape, dtype=np.uint16)
         round_to_bf16(prod, out, np.empty(prod.shape, dtype=np.uint32))

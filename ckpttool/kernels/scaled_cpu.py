@@ -10,6 +10,11 @@ every bf16 scale is exact in fp32 and their product is too (at most 4 + 8 signif
 INT4 storage (`pack_to_int32`, num_bits 4): `weight_packed` int32 [M, N/8]; value j of a row is bits
 4*(j % 8) .. +3 of word j // 8, stored as q + 8 (so 0..15 is -8..7). On a little-endian host the
 uint8 view of the words holds values 2k (low nibble) and 2k+1 (high nibble) in byte k.
+
+Tables: a tensor's BF16 scales take few distinct values (`distinct`), so each distinct scale's outputs
+are computed once (kernels/fp8_cpu.value_tables: the product, then the rounding) and every element is a
+gather: 256 codes per FP8 scale, and for INT4 256 bytes (two values, one two-element output word) per
+scale, so numpy INT4 is one add and one np.take per output word.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 from ckpttool.dtypes import CARRIERS
 from ckpttool.kernels import scaled_numba
 from ckpttool.kernels.fp8_gather import first_nan_row
-from ckpttool.kernels.fp8_cpu import INF_BITS, NaNCodes, code_tables, round_to_bf16
+from ckpttool.kernels.fp8_cpu import INF_BITS, NaNCodes, code_tables, fp8_values, round_to_bf16, value_tables
 
 _STEP_ELEMENTS = 1 << 20  # output elements per step: temporaries of 4 MiB, in L2 (as kernels/fp8_cpu.py)
 
@@ -33,6 +38,23 @@ def _int4_pairs() -> np.ndarray:
     lo = ((b & 15) - 8).astype(np.float32).view(np.uint32).astype(np.uint64)
     hi = ((b >> 4) - 8).astype(np.float32).view(np.uint32).astype(np.uint64)
     return lo | (hi << np.uint64(32))
+
+
+def distinct(scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each distinct value of `scale` once, in its dtype; int32 [*scale.shape]: each element's index
+    into them). 16-bit scales go through a 64 Ki-entry map, two linear passes and no sort. A tensor's
+    BF16 scales hold a few hundred to a few thousand distinct values, so one table per distinct value
+    is far fewer tables than one per row or group."""
+    if scale.dtype.itemsize != 2:
+        values, where = np.unique(scale.view(f"u{scale.dtype.itemsize}"), return_inverse=True)
+        return values.view(scale.dtype), where.astype(np.int32).reshape(scale.shape)
+    bits = scale.view(np.uint16)
+    seen = np.zeros(1 << 16, dtype=bool)
+    seen[bits] = True
+    values = np.flatnonzero(seen).astype(np.uint16)
+    where = np.empty(1 << 16, dtype=np.int32)
+    where[values] = np.arange(len(values), dtype=np.int32)
+    return values.view(scale.dtype), where[bits]
 
 
 def scale_f32(scale: np.ndarray, dtype: str) -> np.ndarray:
@@ -82,6 +104,13 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: s
         if bad >= 0:
             raise NaNCodes(int(bad))
         return result
+    if scale.dtype.itemsize == 2 and scale.shape[0] == rows and group % 2 == 0 and group * scale.shape[1] == cols \
+            and rows:
+        values, which = distinct(scale)
+        s = scale_f32(values, scale_dtype)
+        # finite scales make no NaN (int4 values are finite); the tables cost at most 1/8 of the output
+        if np.isfinite(s).all() and len(values) * 256 <= max(rows * cols // 8, 1 << 16):
+            return _int4_numpy(nibbles, s, which, out, group)
     table = _int4_pairs()
 
     def decode(r0: int, r1: int, xv: np.ndarray) -> None:
@@ -91,41 +120,69 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: s
     return _scaled(rows, cols, scale.shape[1], decode, s, out, may_nan=not np.isfinite(s).all())
 
 
+def _int4_numpy(nibbles: np.ndarray, scales: np.ndarray, which: np.ndarray, out: str, group: int) -> np.ndarray:
+    """dequant_int4 in numpy for finite scales of few distinct values (fp32 `scales`, `which` indexing
+    them per group): each scale's 256 outputs of a byte (two values, one output word of two elements),
+    then one np.take per step of rows over indices scale * 256 + byte. The bits of every entry are
+    value_tables', as in the numba loop."""
+    rows, half = nibbles.shape
+    single = value_tables(np.arange(-8, 8, dtype=np.float32), scales, out)  # [S, 16]
+    wide = np.uint32 if single.dtype == np.uint16 else np.uint64
+    b = np.arange(256)
+    pairs = single[:, b & 15].astype(wide) | (single[:, b >> 4].astype(wide) << wide(single.dtype.itemsize * 8))
+    flat = pairs.reshape(-1)
+    result = np.empty((rows, half), dtype=wide)
+    groups = which.shape[1]
+    sub = max(1, min(rows, _STEP_ELEMENTS // 2 // max(half, 1)))
+    idx = np.empty((sub, groups, group // 2), dtype=np.intp)
+    base = which.astype(np.intp) << 8
+    for r0 in range(0, rows, sub):
+        r1 = min(rows, r0 + sub)
+        ix = idx[: r1 - r0]
+        np.add(nibbles[r0:r1].reshape(r1 - r0, groups, group // 2), base[r0:r1, :, None], out=ix)
+        np.take(flat, ix.reshape(r1 - r0, half), out=result[r0:r1], mode="clip")
+    return result.view(CARRIERS[out])
+
+
 def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype: str, out: str) -> np.ndarray:
     """uint8 FP8 codes [M, N] and a per-row scale [M, 1] (or one [1] for the tensor) -> [M, N]: each
-    row's 256 outputs computed once (kernels/fp8_cpu's own tables: the fp32 product, then the rounding),
-    then gathered by code, by numba's loop or by numpy."""
+    distinct scale's 256 outputs computed once (kernels/fp8_cpu's own tables: the fp32 product, then
+    the rounding), then each row gathered by code from its scale's table, by numba's loop or by numpy."""
     rows, cols = codes.shape
-    tables = code_tables(scale_f32(scale, scale_dtype).reshape(-1, 1), fmt, out).reshape(-1, 256)
+    values, which = distinct(scale.reshape(-1))
+    tables = code_tables(scale_f32(values, scale_dtype).reshape(-1, 1), fmt, out).reshape(-1, 256)
+    which = np.broadcast_to(which, (rows,)) if which.shape[0] != rows else which
     result = np.empty((rows, cols), dtype=CARRIERS[out])
     if rows and cols:
         compiled = scaled_numba.kernels()
         gather = compiled[0] if compiled is not None else fp8_rows_numpy
-        bad = gather(codes, tables, tables.shape[0] == rows, result.view(tables.dtype), *INF_BITS[out])
+        bad = gather(codes, tables, np.ascontiguousarray(which), result.view(tables.dtype), *INF_BITS[out])
         if bad >= 0:
             raise NaNCodes(int(bad))
     return result
 
 
-def fp8_rows_numpy(codes: np.ndarray, tables: np.ndarray, per_row: bool, out: np.ndarray, mask: int, inf: int) -> int:
-    """scaled_numba's fp8_rows in numpy: out[i, j] = tables[i if per_row else 0, codes[i, j]]; the first
-    row holding a NaN (bits above +inf), or -1. One np.take per step of rows, over int64 indices into
-    the rows' tables (per row) or the codes themselves (one table). On the 2-core box it is 0.59-0.70x
-    FP8 block's numpy gather per output byte, against 0.58x for the decode, multiply and round passes it
-    replaced (bench/RESULTS.md); the same bits."""
+def fp8_rows_numpy(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray, mask: int,
+                   inf: int) -> int:
+    """scaled_numba's fp8_rows in numpy: out[i, j] = tables[which[i], codes[i, j]]; the first row holding
+    a NaN (bits above +inf), or -1. One np.take per step of rows, over int64 indices into the rows'
+    tables (or over the codes themselves where there is one table). Measured per output byte on the
+    2-core box: 0.93-1.02x FP8 block's numpy gather, from 0.59-0.70x with one table per row
+    (bench/RESULTS.md); the same bits."""
     rows, cols = codes.shape
     flat = tables.reshape(-1)
     sub = max(1, min(rows, _STEP_ELEMENTS // max(cols, 1)))
-    idx = np.empty((sub, cols), dtype=np.intp) if per_row else None
+    idx = np.empty((sub, cols), dtype=np.intp) if len(tables) > 1 else None
+    base = which.astype(np.intp) << 8
     worst = np.empty((sub, cols), dtype=out.dtype)
     for r0 in range(0, rows, sub):
         r1 = min(rows, r0 + sub)
-        if per_row:
+        if idx is not None:
             ix = idx[: r1 - r0]
-            np.add(codes[r0:r1], (np.arange(r0, r1, dtype=np.intp) << 8)[:, None], out=ix)
-            np.take(flat, ix, out=out[r0:r1])
+            np.add(codes[r0:r1], base[r0:r1, None], out=ix)
+            np.take(flat, ix, out=out[r0:r1], mode="clip")
         else:
-            np.take(flat, codes[r0:r1], out=out[r0:r1])
+            np.take(flat, codes[r0:r1], out=out[r0:r1], mode="clip")
         bad = first_nan_row(out[r0:r1], mask, inf, worst[: r1 - r0])
         if bad >= 0:
             return r0 + bad

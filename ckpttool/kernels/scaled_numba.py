@@ -3,7 +3,8 @@ numpy forms in kernels/scaled_cpu.py and kernels/nvfp4_cpu.py (tests/test_quant_
 as kernels/fp8_gather.py does for FP8 blocks, and for the same reason: one pass per element without
 the GIL instead of several numpy passes. None where numba is missing or CKPTTOOL_NUMBA=0.
 
-- fp8 rows: a 256-entry table per row (or one for the tensor) of rounded products, then a gather;
+- fp8 rows: a 256-entry table of rounded products per distinct scale, then each row's gather from its
+  scale's table;
 - int4: per row, each group's 16 products q * scale rounded once (bf16: integer rounding of the fp32
   bits), then each int32 word's 8 nibbles gathered from its group's 16 (groups are whole words);
 - nvfp4: a gather of two-value words from the tensor's pair table.
@@ -22,11 +23,11 @@ def kernels(numba):
     """(fp8_rows, int4_bf16, nvfp4) compiled, or None (numba missing or CKPTTOOL_NUMBA=0)."""
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
-    def fp8_rows(codes, tables, per_row, out, mask, inf):  # pragma: no cover - compiled
+    def fp8_rows(codes, tables, which, out, mask, inf):  # pragma: no cover - compiled
         rows, cols = codes.shape
         m = out.dtype.type(mask)
         for i in range(rows):
-            t = tables[i if per_row else 0]
+            t = tables[which[i]]
             c = codes[i]
             o = out[i]
             worst = out.dtype.type(0)
