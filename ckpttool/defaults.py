@@ -24,11 +24,21 @@ CHUNK_BYTES = 32 << 20
 """output bytes per streamed run of rows (and per worker's pinned buffer on CUDA)"""
 
 
+def cores() -> int:
+    """The CPUs this process may run on: its affinity mask, which taskset, cpusets and batch schedulers
+    (SLURM, Kubernetes CPU pinning) narrow, rather than the machine's count, so that a job given 4 of
+    64 cores starts 4 workers, not 16."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this OS
+        return os.cpu_count() or 1
+
+
 def workers() -> int:
-    """One worker per core, up to 16: each runs its numpy transforms on one core. With 8 on the
-    16-core benchmark machine the workers were busy 98% of a warm run (transform, then writes into
+    """One worker per usable core, up to 16: each runs its numpy transforms on one core. With 8 on
+    the 16-core benchmark machine the workers were busy 98% of a warm run (transform, then writes into
     the page cache) while sha256 and the disk had room (bench/RESULTS.md)."""
-    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+    return max(1, min(MAX_WORKERS, cores()))
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,

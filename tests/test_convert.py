@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -373,12 +374,25 @@ def test_auto_is_the_cpu_on_many_cores_or_without_a_gpu(monkeypatch):
     from ckpttool.execute import device as execute
 
     for cores, gpu, want in ((16, True, "cpu"), (4, True, "auto"), (4, False, "cpu"), (64, False, "cpu")):
-        monkeypatch.setattr(execute.os, "cpu_count", lambda: cores)
+        monkeypatch.setattr(execute.defaults, "cores", lambda: cores)
         monkeypatch.setattr(execute, "gpu_present", lambda: gpu)
         assert execute.resolve_device("auto") == want, (cores, gpu)
     monkeypatch.setattr(execute, "gpu_present", lambda: False)
     with pytest.raises(execute.InputError, match="no CUDA device"):
         execute.resolve_device("cuda")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_workers_count_the_cores_a_job_is_given_not_the_machines():
+    """A job pinned to one core (taskset, a cpuset, a batch scheduler) starts one worker. (`auto`
+    judges by the same count: test_auto_is_the_cpu_on_many_cores_or_without_a_gpu.)"""
+    import subprocess
+    import sys
+
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from ckpttool import defaults; print(defaults.cores(), defaults.workers(), os.cpu_count())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.split()[:2] == ["1", "1"], proc.stdout
 
 
 def test_cpu_conversion_never_imports_torch(tiny_v3_no_mtp, tmp_path):

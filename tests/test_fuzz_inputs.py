@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ckpttool import defaults
 from ckpttool.dtypes import torch_installed
 from ckpttool.errors import InputError
 
@@ -33,7 +34,7 @@ def resolve_device(device: str) -> str:
     Decided without importing torch: only a run that may use the GPU pays for it, and then on a
     thread of its own (cuda.CudaTransforms)."""
     if device == "auto":
-        few_cores = (os.cpu_count() or 1) < AUTO_CPU_MIN_CORES
+        few_cores = defaults.cores() < AUTO_CPU_MIN_CORES
         return "auto" if few_cores and gpu_present() else "cpu"
     if device.startswith("cuda") and not gpu_present():
         raise no_cuda()

@@ -168,5 +168,5 @@ def _share_torch_threads(workers: int) -> Callable[[], None]:
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    torch.set_num_threads(max(1, defaults.cores() // workers))
     return lambda: torch.set_num_threads(threads)

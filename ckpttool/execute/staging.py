@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from ckpttool import faults
+from ckpttool import defaults, faults
 from ckpttool.errors import OutputError
 from ckpttool.io.hashing import ALGORITHM, PrefixHasher
 from ckpttool.io.safetensors import printable
@@ -96,7 +96,7 @@ class Staging:
             raise disk_error(exc, journal) from None
         self.fds: dict[str, int] = {}
         # each output file is hashed while it is written (its contiguous written prefix)
-        self._hash_pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1, max(1, len(plan.files))),
+        self._hash_pool = ThreadPoolExecutor(min(16, defaults.cores(), max(1, len(plan.files))),
                                              thread_name_prefix="ckpttool-hash")
         self._hashers: dict[str, PrefixHasher] = {}
         self.on_commit: Callable[[list[tuple[str, str]]], None] | None = None

@@ -26,7 +26,7 @@ import numpy as np
 from ckpttool.dtypes import CARRIERS
 from ckpttool.kernels import scaled_numba
 from ckpttool.kernels.fp8_gather import first_nan_row
-from ckpttool.kernels.fp8_cpu import INF_BITS, NaNCodes, code_tables, fp8_values, round_to_bf16, value_tables
+from ckpttool.kernels.fp8_cpu import INF_BITS, NaNCodes, code_tables, round_to_bf16, value_tables
 
 _STEP_ELEMENTS = 1 << 20  # output elements per step: temporaries of 4 MiB, in L2 (as kernels/fp8_cpu.py)
 

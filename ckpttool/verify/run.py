@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from ckpttool.defaults import cores
 from ckpttool.errors import CkptError, InputError
 from ckpttool.execute.distributed import launched_by_torchrun
 from ckpttool.families.base import Verifier
@@ -357,7 +358,7 @@ def _rank_process(job: VerifyJob, rank: int, port: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(job.mp), LOCAL_WORLD_SIZE=str(job.mp),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     if job.device == "cpu":  # ranks share the cores instead of fighting over them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // job.mp))
+        torch.set_num_threads(max(1, cores() // job.mp))
     try:
         report = run_rank(job)
     except CkptError as exc:
