@@ -50,10 +50,12 @@ if on 4; then
   stamp hub
   # HUB_SYN: make_synthetic's arguments (default 1.4 GB in 13 files; the V3-shaped 10.87 GB one is phase 3's);
   # HUB_VARIANT: arguments of a second streamed run beside the default one ("--workers 8"); HUB_RATE: the
-  # link in MB/s (0: input bytes / convert time)
+  # link in MB/s (0: input bytes / convert time); HUB_SERVER_CPUS: CPUs kept for the hub server (default 2), the
+  # rest run ckpttool
   H=/dev/shm/hubsyn-$(echo "${HUB_SYN:-}" | md5sum | cut -c1-8)
   [ -d $H ] || python3 -m bench.make_synthetic --out $H ${HUB_SYN:---layers 1 --dense-layers 0 --experts 16 --vocab 16384 --shards 16} --no-fsync | tail -1
   timeout ${HUB_LIMIT:-150} python3 bench/hub_stream_bench.py --src $H --work /dev/shm/hubwork --mp 8 --reps ${HUB_REPS:-2} --rate ${HUB_RATE:-0} \
+    --server-cpus ${HUB_SERVER_CPUS:-2} \
     ${HUB_VARIANT:+--stream-args "" --stream-args "$HUB_VARIANT"} | tee -a "$OUT/hub.txt"
   rm -rf /dev/shm/hubwork
 fi

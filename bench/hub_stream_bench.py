@@ -14,6 +14,10 @@ conversion take as long as each other: the case overlap has to earn most. Exampl
 
 `--stream-args '' --stream-args '--workers 8'` times C once per variant in each rep (which one goes first
 alternates), against the same A and B.
+
+`--server-cpus 2` keeps the hub server (this process) on the last two CPUs and ckpttool on the others, in
+A, B and C alike. A real hub's server is another machine; sharing the cores, the test server's sending
+slows down while C converts (bench/RESULTS.md, 2026-11-23 evening).
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ from hub_server import HubServer, load_repo  # noqa: E402
 from test_download import hub_env  # noqa: E402
 
 
-def timed(env: dict, *args) -> tuple[float, dict | None]:
+def timed(env: dict, cpus: set[int] | None, *args) -> tuple[float, dict | None]:
+    """One ckpttool command on `cpus` (None: wherever it likes); (seconds, its --json report or None)."""
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     t = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)], env=env, capture_output=True, text=True,
+                          preexec_fn=pin)
     seconds = time.perf_counter() - t
     # each step as it ends: a phase cut off by its time limit still shows how far it got
     print(f"  {seconds:7.2f} s  ckpttool {' '.join(map(str, args))}", file=sys.stderr, flush=True)
@@ -55,7 +62,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--stream-args", action="append", default=None, metavar="ARGS",
                    help="more arguments of C, one streamed run per --stream-args ('' for none; default: one run)")
+    p.add_argument("--server-cpus", type=int, default=0,
+                   help="CPUs kept for the hub server (this process), the others for ckpttool; 0: all shared")
     a = p.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 0 <= a.server_cpus < len(cpus):
+        p.error(f"--server-cpus must leave ckpttool at least one of the {len(cpus)} CPUs")
+    client = set(cpus[: len(cpus) - a.server_cpus]) if a.server_cpus else None
+    if a.server_cpus:  # this thread, and so the server's threads started from it
+        os.sched_setaffinity(0, set(cpus[len(cpus) - a.server_cpus:]))
     shutil.rmtree(a.work, ignore_errors=True)
     a.work.mkdir(parents=True)
     convert = ("--mp", a.mp, "--device", "cpu", "--json")
@@ -69,27 +84,30 @@ def main() -> None:
         for rep in range(a.reps):
             dl, out = a.work / "dl", a.work / "out"
             hub.throttle(None)
-            timed(env, "download", "bench/syn", dl, "-q")  # unthrottled: B's input, warm in the page cache
-            b, _ = timed(env, "convert", dl, out, *convert)
+            timed(env, client, "download", "bench/syn", dl, "-q")  # unthrottled: B's input, warm in the page cache
+            b, _ = timed(env, client, "convert", dl, out, *convert)
             shutil.rmtree(out)
             rate = a.rate * 1e6 if a.rate else size / b
             hub.throttle(rate)
             shutil.rmtree(dl)
-            a_s, _ = timed(env, "download", "bench/syn", dl, "-q")
+            a_s, _ = timed(env, client, "download", "bench/syn", dl, "-q")
             shutil.rmtree(dl)
             variants = a.stream_args or [""]
             for extra in (variants if rep % 2 == 0 else variants[::-1]):  # alternating which runs first
-                c, report = timed(env, "convert", "bench/syn", out, *convert, "--max-input-files", a.max_input_files,
+                c, report = timed(env, client, "convert", "bench/syn", out, *convert, "--max-input-files", a.max_input_files,
                                   *extra.split())
                 shutil.rmtree(out)
                 d = report["download"]
-                rows.append({"rep": rep, "stream_args": extra, "input_gb": size / 1e9, "rate_mb_s": rate / 1e6,
+                rows.append({"rep": rep, "stream_args": extra, "ckpttool_cpus": len(client or cpus),
+                             "server_cpus": a.server_cpus or "shared", "input_gb": size / 1e9, "rate_mb_s": rate / 1e6,
                              "A_download_s": a_s, "B_convert_s": b, "C_stream_s": c, "ratio": c / max(a_s, b),
                              "peak_disk_gb": d["peak_disk_bytes"] / 1e9, "output_gb": report["bytes_written"] / 1e9,
                              "largest_input_gb": largest / 1e9,
                              "C_link_busy_s": d["download_seconds"], "C_room_wait_s": d.get("room_wait_seconds"),
                              "C_timeline": d.get("timeline")})  # per input file, seconds from the fetcher's start
                 print(json.dumps(rows[-1]), flush=True)
+    print(f"ckpttool on {len(client or cpus)} CPUs, the hub server on "
+          f"{a.server_cpus or 'the same ones'}")
     print("| rep | C's arguments | input GB | link MB/s | A download s | B convert s | C streamed s | C / max(A, B) | "
           "peak disk GB (output GB + largest input GB) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
