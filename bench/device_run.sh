@@ -9,11 +9,15 @@
 #   5. the GPU tests
 #   6. the manifest's hash against the bytes written, sampled during a run (bench/hash_lag.py)
 #   7. RAM to RAM on the CPU with 16, 12 and 8 workers, interleaved, three rounds
+#   8. every dequant kernel per output byte, small and large tensor, CPU and CUDA (streamed, CUDA graph, host),
+#      DeepSeek's weight_dequant beside them (bench/quant_bench.py)
+#   9. `shard --mp 8` keeping FP8 against `cp -r` of the same input, tmpfs to tmpfs, interleaved
+#  10. `convert` from tmpfs onto the disk against `dd oflag=direct` of the same bytes, interleaved
 # Run from the root of a checkout with [".whl", ".seeds"] carried: .whl holds the cp312 wheels the image
 # lacks (pydantic, pydantic_core, annotated-types, typing-inspection, huggingface_hub 2.4 and its httpx2,
 # httpcore2, hf-xet, anyio, idna, truststore, click, typing_extensions; blake3), .seeds DeepSeek's kernel.py.
 # The baseline is commit 7b674de: bench/base17.tar.gz (git archive 7b674de ckpttool | gzip) when the
-# device's copy has no git history. PHASES=1,2,3,4,5 picks phases (the default; 6 and 7 run only when named).
+# device's copy has no git history. PHASES=1,2,3,4,5 picks phases (the default; 6 to 10 run only when named).
 set -u
 OUT=${OUT:-/tmp/out17}; mkdir -p "$OUT"
 PHASES=${PHASES:-1,2,3,4,5}
@@ -45,6 +49,10 @@ print(json.dumps({"name": name, "rc": p.returncode, "wall_s": round(wall, 2), "c
                   "gb_out": round(size / 1e9, 2), "gbps": round(size / 1e9 / wall, 2),
                   "peak_rss_gib": round(ru.ru_maxrss / 2**20, 2), "timing": timing, "stderr": err.decode()[-600:] if p.returncode else ""}))
 PY
+
+# the V3-shaped synthetic (10.87 GB in 8 files) in tmpfs, once; a command's wall seconds
+v3syn() { [ -d /dev/shm/v3syn ] || python3 -m bench.make_synthetic --out /dev/shm/v3syn --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1; }
+secs() { local t; t=$(date +%s.%N); "$@" > /dev/null || echo "FAILED: $*" >&2; awk -v a="$t" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }'; }
 
 if on 4; then
   stamp hub
@@ -90,7 +98,7 @@ fi
 
 if on 7; then
   stamp workers
-  [ -d /dev/shm/v3syn ] || python3 -m bench.make_synthetic --out /dev/shm/v3syn --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
+  v3syn
   for i in 1 2 3; do for w in 16 12 8; do
     rm -rf /dev/shm/o; timeout 120 python3 /tmp/wrap.py "workers-$w" $PWD /dev/shm/o --device cpu --workers $w | tee -a "$OUT/workers.jsonl"
   done; done
@@ -99,9 +107,36 @@ fi
 
 if on 6; then
   stamp hash lag
-  [ -d /dev/shm/v3syn ] || python3 -m bench.make_synthetic --out /dev/shm/v3syn --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
+  v3syn
   for w in 0 8; do timeout 60 python3 bench/hash_lag.py /dev/shm/v3syn /dev/shm/o --workers $w | tee -a "$OUT/hashlag.jsonl"; done
   rm -rf /dev/shm/o
+fi
+
+if on 8; then
+  stamp quant bench
+  for c in 2048 18432; do (cd bench && timeout 150 python3 quant_bench.py --cols $c --reps 5 --seeds ../.seeds) | tee -a "$OUT/quant.json"; done
+fi
+
+if on 9; then
+  stamp shard vs cp
+  v3syn
+  for i in 1 2 3; do
+    rm -rf /dev/shm/o /dev/shm/cp
+    echo "{\"round\": $i, \"cp_s\": $(secs cp -r /dev/shm/v3syn /dev/shm/cp), \"shard_s\": $(secs timeout 120 python3 -m ckpttool shard /dev/shm/v3syn /dev/shm/o --mp 8 -q), \"bytes\": $(du -sb /dev/shm/v3syn | cut -f1)}" | tee -a "$OUT/shard_cp.jsonl"
+  done
+  rm -rf /dev/shm/o /dev/shm/cp
+fi
+
+if on 10; then
+  stamp disk vs dd
+  v3syn; D=$PWD/../diskrun; mkdir -p $D; df -h $D | tail -1
+  for i in 1 2 3; do
+    rm -rf $D/o $D/dd; sync
+    dd_s=$(secs dd if=/dev/zero of=$D/dd bs=16M count=1100 oflag=direct status=none); rm -f $D/dd; sync
+    conv_s=$(secs timeout 150 python3 -m ckpttool convert /dev/shm/v3syn $D/o --mp 8 --dtype bf16 --device cpu -q)
+    echo "{\"round\": $i, \"dd_s\": $dd_s, \"dd_bytes\": $((16 * 1024 * 1024 * 1100)), \"convert_s\": $conv_s, \"out_bytes\": $(du -sb $D/o | cut -f1)}" | tee -a "$OUT/disk.jsonl"
+  done
+  rm -rf $D
 fi
 
 if on 5; then

@@ -4,17 +4,20 @@ Every format dequantizes a weight of the same output shape ([7168, 2048] BF16 by
 codes and scales, so "per byte" compares like with like: each kernel's throughput is given per output
 byte (Gelem/s x 2) and per byte moved (input + scales + output). CPU: one numpy call stream (one core;
 the executor runs one per worker thread), the median of --reps, formats interleaved so the machine's
-load hits them alike. CUDA (if present): Triton, CUDA events, achieved bandwidth vs the device's.
+load hits them alike. CUDA (if present): Triton, formats interleaved in --reps rounds, each timed
+streamed, replayed from a CUDA graph (the kernel alone) and on the host (cuda_call_times).
 Prints one JSON object.
 
-    python bench/quant_bench.py [--rows 7168 --cols 2048] [--reps 7] [--no-cuda]
+    python bench/quant_bench.py [--rows 7168 --cols 2048] [--reps 7] [--no-cuda] [--seeds DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -53,12 +56,34 @@ def moved(x: torch.Tensor, s: torch.Tensor, rows: int, cols: int) -> int:
     return x.numel() * x.element_size() + s.numel() * s.element_size() + rows * cols * 2
 
 
+def cuda_call_times(fn, calls: int = 20) -> dict[str, float]:
+    """Seconds per call three ways: `streamed`, calls queued back to back between two CUDA events (the
+    host's launch cost hides behind the GPU only where the kernel is the longer); `graph`, the same calls
+    replayed from a CUDA graph (the GPU's time alone, no host work); `host`, the wall time of enqueueing
+    one call (what each call costs a worker's thread)."""
+    streamed = time_cuda(fn, 5, calls=calls, warmup=2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    replay = time_cuda(graph.replay, 5, warmup=1) / calls
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls
+    torch.cuda.synchronize()
+    return {"streamed": streamed, "graph": replay, "host": host}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=7168)
     p.add_argument("--cols", type=int, default=2048)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--no-cuda", action="store_true")
+    p.add_argument("--seeds", help="directory holding DeepSeek's kernel.py: its weight_dequant joins the CUDA rounds "
+                                   "on fp8_block's input (issue 17's reference)")
     args = p.parse_args()
     rows, cols = args.rows, args.cols
     gen = torch.Generator().manual_seed(0)
@@ -87,15 +112,48 @@ def main() -> int:
         props = torch.cuda.get_device_properties(0)
         peak, how = peak_bandwidth(props, props.name)
         result["cuda"] = {"device": props.name, "peak_bytes_per_s": peak, "peak_source": how, "formats": {}}
+        calls = {}
         for n in FORMATS:
             x, s, _ = data[n]
             xc, sc = x.cuda(), (s.float() if n == "fp8_block" else s).cuda()
-            fn = (lambda: BY_NAME[n].cuda(xc, sc, torch.bfloat16, **kw[n]))
-            sec = time_cuda(fn, 50)
-            bw = moved(x, s, rows, cols) / sec
-            result["cuda"]["formats"][n] = {"seconds": sec, "gb_moved_per_s": round(bw / 1e9, 1),
-                                            "gb_out_per_s": round(rows * cols * 2 / sec / 1e9, 1),
-                                            "fraction_of_peak": round(bw / peak, 3) if peak else None}
+            calls[n] = (lambda xc=xc, sc=sc, n=n: BY_NAME[n].cuda(xc, sc, torch.bfloat16, **kw[n]))
+        names = list(FORMATS)
+        if args.seeds:
+            sys.path.insert(0, os.path.abspath(args.seeds))
+            from kernel import weight_dequant  # DeepSeek's reference Triton kernel, unmodified
+
+            xc, sc = (t.cuda() for t in (data["fp8_block"][0], data["fp8_block"][1].float()))
+
+            def reference():  # its output dtype is torch's default, as fp8_cast_bf16.py sets it
+                torch.set_default_dtype(torch.bfloat16)
+                try:
+                    return weight_dequant(xc, sc)
+                finally:
+                    torch.set_default_dtype(torch.float32)
+
+            calls["deepseek_weight_dequant"] = reference
+            data["deepseek_weight_dequant"] = data["fp8_block"]
+            names.append("deepseek_weight_dequant")
+        cuda_times = {n: {k: [] for k in ("streamed", "graph", "host")} for n in names}
+        for _ in range(args.reps):  # rounds, formats interleaved in each, as on the CPU
+            for n in names:
+                for k, v in cuda_call_times(calls[n]).items():
+                    cuda_times[n][k].append(v)
+        for n in names:
+            x, s, _ = data[n]
+            row = {}
+            for k, v in cuda_times[n].items():
+                sec = statistics.median(v)
+                row[f"{k}_us"] = round(sec * 1e6, 1)
+                if k != "host":
+                    row[f"{k}_gb_out_per_s"] = round(rows * cols * 2 / sec / 1e9, 1)
+            row["graph_fraction_of_peak"] = round(moved(x, s, rows, cols) / statistics.median(cuda_times[n]["graph"])
+                                                  / peak, 3) if peak else None
+            result["cuda"]["formats"][n] = row
+        base = result["cuda"]["formats"]["fp8_block"]
+        for row in result["cuda"]["formats"].values():
+            for k in ("streamed", "graph"):
+                row[f"{k}_vs_fp8_block"] = round(row[f"{k}_gb_out_per_s"] / base[f"{k}_gb_out_per_s"], 3)
     print(json.dumps(result, indent=2))
     return 0
 
