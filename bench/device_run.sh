@@ -9,7 +9,7 @@
 #   5. the GPU tests
 #   6. the manifest's hash against the bytes written, sampled during a run (bench/hash_lag.py)
 #   7. RAM to RAM on the CPU with 16, 12 and 8 workers, interleaved, three rounds
-#   8. every dequant kernel per output byte, small and large tensor, CPU and CUDA (streamed, CUDA graph, host),
+#   8. every dequant kernel per output byte, small and large tensor (QUANT_COLS), CPU and CUDA (streamed, CUDA graph, host),
 #      DeepSeek's weight_dequant beside them (bench/quant_bench.py)
 #   9. `shard --mp 8` keeping FP8 against `cp -r` of the same input, tmpfs to tmpfs, interleaved
 #  10. `convert` from tmpfs onto the disk against `dd oflag=direct` of the same bytes, interleaved
@@ -114,7 +114,7 @@ fi
 
 if on 8; then
   stamp quant bench
-  for c in 2048 18432; do (cd bench && timeout 150 python3 quant_bench.py --cols $c --reps 5 --seeds ../.seeds) | tee -a "$OUT/quant.json"; done
+  for c in ${QUANT_COLS:-2048 18432}; do (cd bench && timeout 150 python3 quant_bench.py --cols $c --reps 5 --seeds ../.seeds) | tee -a "$OUT/quant.json"; done
 fi
 
 if on 9; then
