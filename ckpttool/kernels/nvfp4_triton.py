@@ -26,8 +26,8 @@ def _e2m1_f32(code, SIGNED_ZERO: tl.constexpr, PRESCALED: tl.constexpr):
     """A 4-bit e2m1 code's exact value as fp32, times 2**-14 when PRESCALED (the scales carry the 2**14).
     The code's magnitude bits placed as fp16's top exponent and mantissa bits are that fp16's own (0.5 a
     subnormal), 2**-14 times the e2m1 value; widening fp16 -> fp32 is exact. Five integer operations
-    (six for ModelOpt's unsigned zero) and one conversion: decoding the exponent from bits took 14 and held the kernel at 0.76x FP8 block's
-    bandwidth (bench/RESULTS.md)."""
+    (six for ModelOpt's unsigned zero) and one conversion: decoding the exponent from bits took 14 and
+    held the kernel at 0.76x FP8 block's bandwidth (bench/RESULTS.md)."""
     if SIGNED_ZERO:
         h = ((code & 7) << 9) | ((code & 8) << 12)
     else:  # ModelOpt's table holds +0.0 for code 8: the sign only for codes 9..15, whose code + 7 has bit 4.
