@@ -8,7 +8,7 @@ each between its own events). Every tile's bytes are compared with the CPU path'
 the default tile's (large shape). The FP8 block kernel is also timed with 64-bit offsets forced, and
 DeepSeek's reference `weight_dequant` beside it when --seeds names its directory. Prints JSON lines.
 
-    python bench/triton_sweep.py [--seeds DIR] [--only int4,fp8_rows,nvfp4,fp8_block]
+    python bench/triton_sweep.py [--seeds DIR] [--only int4,fp8_rows,nvfp4,nvfp4_modelopt,fp8_block]
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from ckpttool.kernels import fp8_triton, nvfp4_triton, scaled_triton
 from ckpttool.kernels.scaled_triton import Tile
 
 SHAPES = {"large": (7168, 18432), "small": (7168, 2048)}
-FORMAT = {"int4": "ct_int4_g32", "fp8_rows": "ct_fp8_channel", "nvfp4": "ct_nvfp4", "fp8_block": "fp8_block"}
+FORMAT = {"int4": "ct_int4_g32", "fp8_rows": "ct_fp8_channel", "nvfp4": "ct_nvfp4", "nvfp4_modelopt": "modelopt_nvfp4",
+          "fp8_block": "fp8_block"}
 GRID = [Tile(r, c, w) for r, c, w in itertools.product((2, 4, 8), (256, 512, 1024), (2, 4, 8))]
 
 
@@ -54,7 +55,7 @@ def rates(row: dict, shape: str, sets: list, call) -> None:
 
 
 def set_tile(kernel: str, tile: Tile) -> None:
-    if kernel == "nvfp4":
+    if kernel.startswith("nvfp4"):  # one tile for both spellings
         nvfp4_triton.TILE = tile
     else:
         scaled_triton.TILES[kernel] = tile
@@ -69,7 +70,7 @@ def main() -> int:
     out = torch.bfloat16
     for kernel in args.only.split(","):
         fmt = BY_NAME[FORMAT[kernel]]
-        kw = {"global_scale": 2688.0 / 3.1} if fmt.global_leaf else {}
+        kw = {"global_scale": 2688.0 / 3.1 if kernel == "nvfp4" else 3.1 / 2688.0} if fmt.global_leaf else {}
         data, want = {}, {}
         for shape, (rows, cols) in SHAPES.items():
             sets = []
@@ -82,7 +83,7 @@ def main() -> int:
             x, s, dtype, _, _ = sets[0]
             if shape == "small":
                 want[shape] = torch.from_numpy(fmt.cpu(carrier(x), carrier(s), dtype, "BF16", **kw).view("int16"))
-        default = (scaled_triton.TILES.get(kernel) if kernel != "nvfp4" else nvfp4_triton.TILE)
+        default = (scaled_triton.TILES.get(kernel) if not kernel.startswith("nvfp4") else nvfp4_triton.TILE)
         if kernel == "fp8_block":
             candidates = [("tile", w, wide) for w in (2, 4, 8, 16) for wide in (False, True)]
         else:
