@@ -27,6 +27,7 @@ from ckpttool.dtypes import CARRIERS
 from ckpttool.kernels import scaled_numba
 from ckpttool.kernels.fp8_gather import first_nan_row
 from ckpttool.kernels.fp8_cpu import INF_BITS, NaNCodes, code_tables, round_to_bf16, value_tables
+from ckpttool.kernels.mxfp4_cpu import gather_words, pair_words
 
 _STEP_ELEMENTS = 1 << 20  # output elements per step: temporaries of 4 MiB, in L2 (as kernels/fp8_cpu.py)
 
@@ -122,26 +123,13 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: s
 
 def _int4_numpy(nibbles: np.ndarray, scales: np.ndarray, which: np.ndarray, out: str, group: int) -> np.ndarray:
     """dequant_int4 in numpy for finite scales of few distinct values (fp32 `scales`, `which` indexing
-    them per group): each scale's 256 outputs of a byte (two values, one output word of two elements),
-    then one np.take per step of rows over indices scale * 256 + byte. The bits of every entry are
-    value_tables', as in the numba loop."""
+    them per group): each scale's 256 outputs of a byte (two values, one output word of two elements,
+    mxfp4_cpu.pair_words), then the same word gather as MXFP4 and NVFP4 (mxfp4_cpu.gather_words). The
+    bits of every entry are value_tables', as in the numba loop."""
     rows, half = nibbles.shape
-    single = value_tables(np.arange(-8, 8, dtype=np.float32), scales, out)  # [S, 16]
-    wide = np.uint32 if single.dtype == np.uint16 else np.uint64
-    b = np.arange(256)
-    pairs = single[:, b & 15].astype(wide) | (single[:, b >> 4].astype(wide) << wide(single.dtype.itemsize * 8))
-    flat = pairs.reshape(-1)
-    result = np.empty((rows, half), dtype=wide)
-    groups = which.shape[1]
-    sub = max(1, min(rows, _STEP_ELEMENTS // 2 // max(half, 1)))
-    idx = np.empty((sub, groups, group // 2), dtype=np.intp)
-    base = which.astype(np.intp) << 8
-    for r0 in range(0, rows, sub):
-        r1 = min(rows, r0 + sub)
-        ix = idx[: r1 - r0]
-        np.add(nibbles[r0:r1].reshape(r1 - r0, groups, group // 2), base[r0:r1, :, None], out=ix)
-        np.take(flat, ix.reshape(r1 - r0, half), out=result[r0:r1], mode="clip")
-    return result.view(CARRIERS[out])
+    pairs = pair_words(value_tables(np.arange(-8, 8, dtype=np.float32), scales, out))
+    words = gather_words(pairs, nibbles.reshape(rows, half // (group // 2), group // 2), which)
+    return words.view(CARRIERS[out]).reshape(rows, half * 2)
 
 
 def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype: str, out: str) -> np.ndarray:
