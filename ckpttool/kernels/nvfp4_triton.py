@@ -22,21 +22,30 @@ TILE = Tile(2, 512, 2)
 
 
 @triton.jit
-def _e2m1_f32(code, SIGNED_ZERO: tl.constexpr, PRESCALED: tl.constexpr):
-    """A 4-bit e2m1 code's exact value as fp32, times 2**-14 when PRESCALED (the scales carry the 2**14).
-    The code's magnitude bits placed as fp16's top exponent and mantissa bits are that fp16's own (0.5 a
-    subnormal), 2**-14 times the e2m1 value; widening fp16 -> fp32 is exact. Five integer operations
-    (six for ModelOpt's unsigned zero) and one conversion: decoding the exponent from bits took 14 and
-    held the kernel at 0.76x FP8 block's bandwidth (bench/RESULTS.md)."""
-    if SIGNED_ZERO:
-        h = ((code & 7) << 9) | ((code & 8) << 12)
-    else:  # ModelOpt's table holds +0.0 for code 8: the sign only for codes 9..15, whose code + 7 has bit 4.
-        # On the H100: 0.94x FP8 block's bandwidth; a select after the decode 0.885x, (8 - code) & 0x8000 0.86x
-        h = ((code & 7) << 9) | (((code + 7) & 16) << 11)
+def _e2m1_f32(code, PRESCALED: tl.constexpr):
+    """A 4-bit e2m1 code's exact value as fp32 (code 8 is -0.0), times 2**-14 when PRESCALED (the scales
+    carry the 2**14). The code's magnitude bits placed as fp16's top exponent and mantissa bits are that
+    fp16's own (0.5 a subnormal), 2**-14 times the e2m1 value; widening fp16 -> fp32 is exact. Five integer
+    operations and one conversion: decoding the exponent from bits took 14 and held the kernel at 0.76x FP8
+    block's bandwidth (bench/RESULTS.md)."""
+    h = ((code & 7) << 9) | ((code & 8) << 12)
     v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     if not PRESCALED:
         v = v * 16384.0
     return v
+
+
+@triton.jit
+def _unsigned_zero(words):
+    """ModelOpt's table holds +0.0 for code 8, where compressed-tensors' e2m1 has -0.0: every nibble 8 of
+    an int32 word of codes becomes 0 (so its product with any scale is what 0.0 * scale is) and 9..15 keep
+    their sign. Per word, not per value: each nibble's magnitude + 7 carries into its bit 3 exactly when the
+    magnitude is not 0 (7 + 7 < 16: no carry reaches the next nibble; the top nibble's wraps the int32 as
+    the unsigned sum would). Five operations per 8 values; the same per value held the kernel at 0.86-0.94x
+    FP8 block's bandwidth (bench/RESULTS.md)."""
+    mag = words & 0x77777777
+    sign = (mag + 0x77777777) & words & -0x77777778  # -0x77777778 is 0x88888888: each nibble's bit 3
+    return mag | sign
 
 
 @triton.jit
@@ -54,9 +63,11 @@ def _nvfp4_kernel(w_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, M, N, WORDS, GROUPS, SI
     words = tl.load(w_ptr + r64 * WORDS + wcols[None, :], mask=wmask, other=0)
     sc = tl.load(s_ptr + r64 * GROUPS + (wcols // 2)[None, :], mask=wmask, other=0x38).to(tl.int32)
     eff = tl.load(eff_ptr + sc)  # [BM, BN/8] fp32: each word's group scale
+    if not SIGNED_ZERO:
+        words = _unsigned_zero(words)
     nibble = tl.arange(0, 8)
     codes = (words[:, :, None] >> (nibble * 4)[None, None, :]) & 15
-    y = _e2m1_f32(codes, SIGNED_ZERO, PRESCALED) * eff[:, :, None]
+    y = _e2m1_f32(codes, PRESCALED) * eff[:, :, None]
     offs = r64[:, :, None] * N + (wcols[None, :, None] * 8 + nibble[None, None, :])
     mask = wmask[:, :, None] & (nibble[None, None, :] < 8)
     _store_checked(y_ptr, bad_ptr, y, offs, rows[:, None, None], mask, BF16)
