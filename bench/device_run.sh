@@ -13,6 +13,8 @@
 #      DeepSeek's weight_dequant beside them (bench/quant_bench.py)
 #   9. `shard --mp 8` keeping FP8 against `cp -r` of the same input, tmpfs to tmpfs, interleaved
 #  10. `convert` from tmpfs onto the disk against `dd oflag=direct` of the same bytes, interleaved
+#  11. `--device cpu | cuda | auto` RAM to RAM on AUTO_CPUS CPUs (taskset; default 4 and 8), a 1.4 GB and the 10.87 GB
+#      input: the data `auto`'s choice is made from
 # Run from the root of a checkout with [".whl", ".seeds"] carried: .whl holds the cp312 wheels the image
 # lacks (pydantic, pydantic_core, annotated-types, typing-inspection, huggingface_hub 2.4 and its httpx2,
 # httpcore2, hf-xet, anyio, idna, truststore, click, typing_extensions; blake3), .seeds DeepSeek's kernel.py.
@@ -29,12 +31,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import numpy, numba, blake3, torch, triton, pydantic, huggingface_hub; print('numpy', numpy.__version__, 'numba', numba.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'hub', huggingface_hub.__version__)"
 
-# one conversion of /dev/shm/v3syn, timed from outside: NAME TREE DST [ARGS]; prints a JSON line
+# one conversion of $SRC (default /dev/shm/v3syn), timed from outside: NAME TREE DST [ARGS]; prints a JSON line
 cat > /tmp/wrap.py <<'PY'
 import json, os, resource, subprocess, sys, time
 name, tree, dst, *args = sys.argv[1:]
 env = dict(os.environ, PYTHONPATH=f"/tmp/site:{tree}")
-cmd = [sys.executable, "-m", "ckpttool", "convert", "/dev/shm/v3syn", dst, "--mp", "8", "--dtype", "bf16", "--quiet", "--json", *args]
+cmd = [sys.executable, "-m", "ckpttool", "convert", os.environ.get("SRC", "/dev/shm/v3syn"), dst, "--mp", "8", "--dtype", "bf16", "--quiet", "--json", *args]
 t = time.perf_counter()
 p = subprocess.Popen(cmd, env=env, cwd="/tmp", stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # not the repo root: its ckpttool/ would shadow the baseline
 out, err = p.communicate()
@@ -137,6 +139,17 @@ if on 10; then
     echo "{\"round\": $i, \"dd_s\": $dd_s, \"dd_bytes\": $((16 * 1024 * 1024 * 1100)), \"convert_s\": $conv_s, \"out_bytes\": $(du -sb $D/o | cut -f1)}" | tee -a "$OUT/disk.jsonl"
   done
   rm -rf $D
+fi
+
+if on 11; then
+  stamp device by cores and size
+  v3syn; SMALL=/dev/shm/smallsyn
+  [ -d $SMALL ] || python3 -m bench.make_synthetic --out $SMALL --layers 1 --dense-layers 0 --experts 16 --vocab 16384 --no-fsync | tail -1
+  for n in ${AUTO_CPUS:-4 8}; do for src in $SMALL /dev/shm/v3syn; do for r in 1 2; do for d in cpu cuda auto; do
+    rm -rf /dev/shm/o
+    SRC=$src timeout 150 taskset -c 0-$((n - 1)) python3 /tmp/wrap.py "cpus-$n-$d-$(basename $src)" $PWD /dev/shm/o --device $d | tee -a "$OUT/auto.jsonl"
+  done; done; done; done
+  rm -rf /dev/shm/o
 fi
 
 if on 5; then
