@@ -13,7 +13,7 @@
 #      DeepSeek's weight_dequant beside them (bench/quant_bench.py)
 #   9. `shard --mp 8` keeping FP8 against `cp -r` of the same input, tmpfs to tmpfs, interleaved
 #  10. `convert` from tmpfs onto the disk against `dd oflag=direct` of the same bytes, interleaved
-#  11. `--device cpu | cuda | auto` RAM to RAM on AUTO_CPUS CPUs (taskset; default 4 and 8), a 1.4 GB and the 10.87 GB
+#  11. `--device cpu | cuda | auto` RAM to RAM on AUTO_CPUS CPUs (taskset; default 4 and 8), AUTO_REPS times, a 1.4 GB and the 10.87 GB
 #      input: the data `auto`'s choice is made from
 # Run from the root of a checkout with [".whl", ".seeds"] carried: .whl holds the cp312 wheels the image
 # lacks (pydantic, pydantic_core, annotated-types, typing-inspection, huggingface_hub 2.4 and its httpx2,
@@ -145,7 +145,7 @@ if on 11; then
   stamp device by cores and size
   v3syn; SMALL=/dev/shm/smallsyn
   [ -d $SMALL ] || python3 -m bench.make_synthetic --out $SMALL --layers 1 --dense-layers 0 --experts 16 --vocab 16384 --no-fsync | tail -1
-  for n in ${AUTO_CPUS:-4 8}; do for src in $SMALL /dev/shm/v3syn; do for r in 1 2; do for d in cpu cuda auto; do
+  for n in ${AUTO_CPUS:-4 8}; do for src in $SMALL /dev/shm/v3syn; do for r in $(seq ${AUTO_REPS:-1}); do for d in cpu cuda auto; do
     rm -rf /dev/shm/o
     SRC=$src timeout 150 taskset -c 0-$((n - 1)) python3 /tmp/wrap.py "cpus-$n-$d-$(basename $src)" $PWD /dev/shm/o --device $d | tee -a "$OUT/auto.jsonl"
   done; done; done; done
