@@ -8,12 +8,27 @@ from ckpttool import defaults
 from ckpttool.dtypes import torch_installed
 from ckpttool.errors import InputError
 
-AUTO_CPU_MIN_CORES = 8
-"""`--device auto` dequantizes on the CPU from this many cores up, even beside a GPU: the numpy path
-then keeps up with the disk (bench/RESULTS.md, 16 cores: 1.43 GB/s written, at the disk's speed),
-and the GPU path first pays for torch's import and CUDA's start (5-14 s on the benchmark machine,
-1.5 GB of libraries read, 0.6 GiB more RSS): a 10.9 GB conversion ran 3.2x faster than the
-reference with the GPU and 4.7x on the CPU."""
+# `--device auto`'s model of one dequantizing conversion, RAM to RAM, from measurements on the H100 machine
+# (bench/RESULTS.md, 2026-11-23: 2, 4, 8 and 16 of its CPUs, a 2.56 GB and an 18.46 GB output)
+AUTO_CPU_GB_S_PER_CORE = 0.55
+"""GB of output per second per core on the CPU path: 0.62 measured at 2 cores, 0.55 at 4, 0.47 at 8"""
+AUTO_GPU_START_S = 6.5
+"""import torch, the CUDA context, the first Triton compile: 5-6.4 s fitted, during which the CPU converts"""
+
+
+def auto_gpu_gb_s(cores: int) -> float:
+    """GB of output per second on the CUDA path once started. Its CPU side (reading, writing, hashing)
+    limits it: 2.4 measured at 2 cores, 3.5 at 4, 4.0-4.7 at 16."""
+    return 5.0 * cores / (cores + 2)
+
+
+def auto_uses_gpu(cores: int, out_bytes: int) -> bool:
+    """Whether the GPU's start pays for itself: start + out / gpu < out / cpu. From 8 cores up the CPU
+    path is as fast as the CUDA path's CPU side, so never (at 8 cores, in 10 s the GPU took no chunk);
+    at 2 cores from about 13 GB of output (measured: 18.46 GB 14.2 s against 16.1 s; 2.56 GB 7.5 against
+    3.3), at 4 from about 40 GB (18.46 GB: 10.6 s against 9.5 s)."""
+    cpu, gpu = AUTO_CPU_GB_S_PER_CORE * cores, auto_gpu_gb_s(cores)
+    return gpu > cpu and out_bytes / 1e9 * (1 / cpu - 1 / gpu) > AUTO_GPU_START_S
 
 
 def no_cuda() -> InputError:
@@ -27,15 +42,14 @@ def gpu_present() -> bool:
     return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg"))
 
 
-def resolve_device(device: str) -> str:
-    """One of cpu, auto (the GPU, looked for while the CPU starts: only on a machine with a GPU
-    driver and fewer than AUTO_CPU_MIN_CORES cores; else cpu) or cuda[:N].
+def resolve_device(device: str, out_bytes: int = 0) -> str:
+    """One of cpu, auto (the GPU, looked for while the CPU starts: only on a machine with a GPU driver
+    where auto_uses_gpu says the job of `out_bytes` is large enough for these cores; else cpu) or cuda[:N].
 
     Decided without importing torch: only a run that may use the GPU pays for it, and then on a
     thread of its own (cuda.CudaTransforms)."""
     if device == "auto":
-        few_cores = defaults.cores() < AUTO_CPU_MIN_CORES
-        return "auto" if few_cores and gpu_present() else "cpu"
+        return "auto" if auto_uses_gpu(defaults.cores(), out_bytes) and gpu_present() else "cpu"
     if device.startswith("cuda") and not gpu_present():
         raise no_cuda()
     if device.startswith("cuda") and not torch_installed():

@@ -86,9 +86,9 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
             chunk_bytes: int = defaults.CHUNK_BYTES, wait_for_cuda: bool = False) -> None:
     """Run every task not yet in the journal; commit (fdatasync + journal) in batches. On CUDA the
     first chunks run on the CPU while the GPU starts, unless `wait_for_cuda`."""
-    dev = resolve_device(device)
     tasks = make_tasks(plan, inputs, staging.done, staging.published, files)
     used = sorted({t.transform for t in tasks if t.transform in BY_NAME})
+    dev = resolve_device(device, sum(t.nbytes_out for t in tasks) if used else 0)
     gpu = CudaTransforms(dev, [BY_NAME[n] for n in used], staging.timings) if dev != "cpu" and used else None
     if gpu is not None and wait_for_cuda:
         gpu.wait()
