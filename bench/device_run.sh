@@ -13,11 +13,13 @@
 #      DeepSeek's weight_dequant beside them (bench/quant_bench.py)
 #   9. `shard --mp 8` keeping FP8 against `cp -r` of the same input, tmpfs to tmpfs, interleaved
 #  10. `convert` from tmpfs onto the disk against `dd oflag=direct` of the same bytes, interleaved
+#  12. where a RAM-to-RAM CPU conversion's threads spend their time: py-spy (its wheel in .whl) samples every thread
+#      (--idle) and, in a second run, only the one holding the GIL (--gil); raw stacks in prof-*.txt
 #  11. `--device cpu | cuda | auto` RAM to RAM on AUTO_CPUS CPUs (taskset; default 4 and 8), AUTO_REPS times, a 1.4 GB and the 10.87 GB
 #      input: the data `auto`'s choice is made from
 # Run from the root of a checkout with [".whl", ".seeds"] carried: .whl holds the cp312 wheels the image
 # lacks (pydantic, pydantic_core, annotated-types, typing-inspection, huggingface_hub 2.4 and its httpx2,
-# httpcore2, hf-xet, anyio, idna, truststore, click, typing_extensions; blake3), .seeds DeepSeek's kernel.py.
+# httpcore2, hf-xet, anyio, idna, truststore, click, typing_extensions; blake3; py-spy for phase 12), .seeds DeepSeek's kernel.py.
 # The baseline is commit 7b674de: bench/base17.tar.gz (git archive 7b674de ckpttool | gzip) when the
 # device's copy has no git history. PHASES=1,2,3,4,5 picks phases (the default; 6 to 10 run only when named).
 set -u
@@ -149,6 +151,17 @@ if on 11; then
     rm -rf /dev/shm/o
     SRC=$src timeout 150 taskset -c 0-$((n - 1)) python3 /tmp/wrap.py "cpus-$n-$d-$(basename $src)" $PWD /dev/shm/o --device $d | tee -a "$OUT/auto.jsonl"
   done; done; done; done
+  rm -rf /dev/shm/o
+fi
+
+if on 12; then
+  stamp profile
+  v3syn
+  for mode in idle gil; do
+    rm -rf /dev/shm/o
+    timeout 120 /tmp/site/bin/py-spy record -o "$OUT/prof-$mode.txt" --format raw -r 100 --threads --$mode -- \
+      python3 -m ckpttool convert /dev/shm/v3syn /dev/shm/o --mp 8 --dtype bf16 --device cpu -q 2>&1 | tail -2
+  done
   rm -rf /dev/shm/o
 fi
 
