@@ -143,6 +143,54 @@ def test_cpu_dequant_matches_formula_on_partial_blocks():
         assert torch.equal(ours.view(torch.int16), formula_dequant(w, s).view(torch.int16))
 
 
+def test_compiled_bf16_tables_equal_numpy_for_every_kind_of_scale(monkeypatch):
+    """fp8_cpu.value_tables built by numba (one loop per scale) against its numpy passes, bit for bit: fp32
+    scales of every exponent (subnormal, huge enough to overflow the product, negative, infinite) times
+    both FP8 formats' values and INT4's."""
+    import numpy as np
+
+    pytest.importorskip("numba")
+    from ckpttool.kernels import fp8_cpu
+
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 2**32, size=4000, dtype=np.uint64).astype(np.uint32)
+    scales = bits.view(np.float32)
+    scales = np.concatenate([scales[~np.isnan(scales)][:3980], np.array([np.inf, -np.inf, 0.0, -0.0, 2.0**-149],
+                                                                         dtype=np.float32)]).reshape(-1, 5)
+    for values in (fp8_cpu.fp8_values("F8_E4M3"), fp8_cpu.fp8_values("F8_E5M2"), np.arange(-8, 8, dtype=np.float32)):
+        monkeypatch.setenv("CKPTTOOL_NUMBA", "1")
+        compiled = fp8_cpu.value_tables(values, scales, "BF16")
+        monkeypatch.setenv("CKPTTOOL_NUMBA", "0")
+        with np.errstate(invalid="ignore"):
+            numpy = fp8_cpu.value_tables(values, scales, "BF16")
+        assert compiled.shape == numpy.shape == (*scales.shape, len(values))
+        assert np.array_equal(compiled, numpy)
+
+
+def test_warm_up_builds_on_a_thread_and_the_getter_says_none_meanwhile(monkeypatch):
+    """A conversion's workers run numpy while numba loads (kernels/numba_jit.py), unless CKPTTOOL_NUMBA=1."""
+    import threading
+
+    pytest.importorskip("numba")
+    from ckpttool.kernels import numba_jit
+
+    release = threading.Event()
+
+    @numba_jit.compiled_on_first_use
+    def kernel(numba):
+        assert release.wait(30)
+        return "compiled"
+
+    monkeypatch.delenv("CKPTTOOL_NUMBA", raising=False)
+    thread = numba_jit.warm_up([kernel, kernel])
+    assert thread is not None and kernel() is None  # still building: numpy meanwhile
+    release.set()
+    thread.join(30)
+    assert kernel() == "compiled" and numba_jit.warm_up([kernel]) is None  # built once
+    monkeypatch.setenv("CKPTTOOL_NUMBA", "0")
+    assert kernel() is None
+
+
 @pytest.mark.parametrize("numba", ["1", "0"])
 def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype(monkeypatch, numba):
     """The CPU kernel (per-block tables, bf16 rounded in integers; the gather compiled by numba or

@@ -86,6 +86,12 @@ def code_tables(scale: np.ndarray, fmt: str, out_dtype: str) -> np.ndarray:
 def value_tables(values: np.ndarray, scale: np.ndarray, out_dtype: str) -> np.ndarray:
     """[*scale.shape, len(values)]: each fp32 value times each scale in the output carrier's bits,
     computed exactly as the elementwise kernels would: one fp32 product, then the rounding."""
+    compiled = fp8_gather.bf16_tables() if out_dtype == "BF16" else None
+    if compiled is not None:
+        flat = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+        out = np.empty((flat.shape[0], len(values)), dtype=np.uint16)
+        compiled(np.ascontiguousarray(values, dtype=np.float32), flat, np.empty(len(values), dtype=np.float32), out)
+        return out.reshape(*scale.shape, len(values))
     with np.errstate(over="ignore"):
         prod = np.multiply(values, scale.astype(np.float32, copy=False)[..., None], dtype=np.float32)
     if out_dtype == "BF16":
