@@ -15,6 +15,8 @@
 #  10. `convert` from tmpfs onto the disk against `dd oflag=direct` of the same bytes, interleaved
 #  12. where a RAM-to-RAM CPU conversion's threads spend their time: py-spy (its wheel in .whl) samples every thread
 #      (--idle) and, in a second run, only the one holding the GIL (--gil); raw stacks in prof-*.txt
+#  13. RAM to RAM on the CPU: this tree against an earlier one (bench/prev.tar.gz, `git archive COMMIT ckpttool | gzip`),
+#      PREV_ROUNDS interleaved rounds (default 3), every file compared
 #  11. `--device cpu | cuda | auto` RAM to RAM on AUTO_CPUS CPUs (taskset; default 4 and 8), AUTO_REPS times, a 1.4 GB and the 10.87 GB
 #      input: the data `auto`'s choice is made from
 # Run from the root of a checkout with [".whl", ".seeds"] carried: .whl holds the cp312 wheels the image
@@ -152,6 +154,18 @@ if on 11; then
     SRC=$src timeout 150 taskset -c 0-$((n - 1)) python3 /tmp/wrap.py "cpus-$n-$d-$(basename $src)" $PWD /dev/shm/o --device $d | tee -a "$OUT/auto.jsonl"
   done; done; done; done
   rm -rf /dev/shm/o
+fi
+
+if on 13; then
+  stamp this tree against bench/prev.tar.gz
+  v3syn; P=/tmp/prev; rm -rf $P; mkdir -p $P; tar -xzf bench/prev.tar.gz -C $P
+  for i in $(seq ${PREV_ROUNDS:-3}); do
+    rm -rf /dev/shm/o; timeout 120 python3 /tmp/wrap.py "prev-$i" $P /dev/shm/o --device cpu | tee -a "$OUT/prev.jsonl"
+    rm -rf /dev/shm/ref; mv /dev/shm/o /dev/shm/ref
+    timeout 120 python3 /tmp/wrap.py "this-$i" $PWD /dev/shm/o --device cpu | tee -a "$OUT/prev.jsonl"
+    for f in /dev/shm/ref/*.safetensors; do cmp -s "$f" "/dev/shm/o/$(basename "$f")" || echo "DIFF $(basename "$f")"; done
+  done
+  rm -rf /dev/shm/o /dev/shm/ref
 fi
 
 if on 12; then
