@@ -16,7 +16,7 @@
 #  12. where a RAM-to-RAM CPU conversion's threads spend their time: py-spy (its wheel in .whl) samples every thread
 #      (--idle) and, in a second run, only the one holding the GIL (--gil); raw stacks in prof-*.txt
 #  13. RAM to RAM on the CPU: this tree against an earlier one (bench/prev.tar.gz, `git archive COMMIT ckpttool | gzip`),
-#      PREV_ROUNDS interleaved rounds (default 3), every file compared
+#      PREV_ROUNDS interleaved rounds (default 3), every file compared; THIS_ENV="VAR=value ..." adds this tree run under them
 #  11. `--device cpu | cuda | auto` RAM to RAM on AUTO_CPUS CPUs (taskset; default 4 and 8), AUTO_REPS times, a 1.4 GB and the 10.87 GB
 #      input: the data `auto`'s choice is made from
 # Run from the root of a checkout with [".whl", ".seeds"] carried: .whl holds the cp312 wheels the image
@@ -164,6 +164,9 @@ if on 13; then
     rm -rf /dev/shm/ref; mv /dev/shm/o /dev/shm/ref
     timeout 120 python3 /tmp/wrap.py "this-$i" $PWD /dev/shm/o --device cpu | tee -a "$OUT/prev.jsonl"
     for f in /dev/shm/ref/*.safetensors; do cmp -s "$f" "/dev/shm/o/$(basename "$f")" || echo "DIFF $(basename "$f")"; done
+    if [ -n "${THIS_ENV:-}" ]; then  # a variant of this tree: env assignments, e.g. CKPTTOOL_NUMBA=1
+      rm -rf /dev/shm/o; env $THIS_ENV timeout 120 python3 /tmp/wrap.py "this-$THIS_ENV-$i" $PWD /dev/shm/o --device cpu | tee -a "$OUT/prev.jsonl"
+    fi
   done
   rm -rf /dev/shm/o /dev/shm/ref
 fi

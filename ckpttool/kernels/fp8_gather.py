@@ -68,6 +68,20 @@ def bf16_tables(numba):
     return tables
 
 
+def _exercise_gather(gather) -> None:
+    """fp8_cpu.dequant's argument types, per carrier (uint16: BF16 and F16; uint32: F32)."""
+    for carrier in (np.uint16, np.uint32):
+        gather(np.zeros((1, 1), np.uint8), np.zeros((1, 256), carrier), np.zeros((1, 1), carrier), 7, 0x7FFF, 0x7F80)
+
+
+def _exercise_tables(tables) -> None:
+    """fp8_cpu.value_tables' argument types."""
+    tables(np.zeros(256, np.float32), np.ones(1, np.float32), np.zeros(256, np.float32), np.zeros((1, 256), np.uint16))
+
+
+kernel.exercise, bf16_tables.exercise = _exercise_gather, _exercise_tables
+
+
 def gather_numpy(codes: np.ndarray, tables: np.ndarray, out: np.ndarray, block: int, mask: int, inf: int) -> int:
     rows, cols = codes.shape
     base = (np.arange(cols, dtype=np.intp) // block) * 256

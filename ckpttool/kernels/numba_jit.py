@@ -47,21 +47,22 @@ def compiled_on_first_use(build: Callable[..., K]) -> Callable[[], K | None]:
         mode = _mode()
         if mode == "0":
             return None
-        if built:
-            return built[0]
         if mode != "1" and get in _warming:
             return None
+        if built:
+            return built[0]
         return build_now()
 
     get.__doc__ = build.__doc__
     get.__name__ = build.__name__
-    get.build_now, get.built = build_now, built
+    get.build_now, get.built, get.exercise = build_now, built, None
     return get
 
 
 def warm_up(getters: list) -> threading.Thread | None:
-    """Build these kernels (those not built yet) on a thread of their own, their getters returning None
-    until each is ready (unless CKPTTOOL_NUMBA=1). The thread (not a daemon: a compile writing numba's
+    """Build these kernels (those not built yet) on a thread of their own, and call each getter's
+    `exercise` with the kernel (tiny calls with the argument types of the real ones), their getters
+    returning None until each is ready (unless CKPTTOOL_NUMBA=1). The thread (not a daemon: a compile writing numba's
     on-disk cache is not cut off at exit), or None when there is nothing to build."""
     if _mode() == "0":
         return None
@@ -74,7 +75,9 @@ def warm_up(getters: list) -> threading.Thread | None:
     def run() -> None:
         for g in todo:
             try:
-                g.build_now()
+                kernel = g.build_now()
+                if kernel is not None and g.exercise is not None:  # compiled, or loaded from numba's cache,
+                    g.exercise(kernel)  # per signature: else the first worker's call loads it and the others wait
             except Exception:  # noqa: BLE001 - built again, and raised, where a worker asks for it
                 pass
             finally:
