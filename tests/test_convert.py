@@ -167,30 +167,6 @@ def test_compiled_bf16_tables_equal_numpy_for_every_kind_of_scale(monkeypatch):
         assert np.array_equal(compiled, numpy)
 
 
-def test_warm_up_builds_on_a_thread_and_the_getter_says_none_meanwhile(monkeypatch):
-    """A conversion's workers run numpy while numba loads (kernels/numba_jit.py), unless CKPTTOOL_NUMBA=1."""
-    import threading
-
-    pytest.importorskip("numba")
-    from ckpttool.kernels import numba_jit
-
-    release = threading.Event()
-
-    @numba_jit.compiled_on_first_use
-    def kernel(numba):
-        assert release.wait(30)
-        return "compiled"
-
-    monkeypatch.delenv("CKPTTOOL_NUMBA", raising=False)
-    thread = numba_jit.warm_up([kernel, kernel])
-    assert thread is not None and kernel() is None  # still building: numpy meanwhile
-    release.set()
-    thread.join(30)
-    assert kernel() == "compiled" and numba_jit.warm_up([kernel]) is None  # built once
-    monkeypatch.setenv("CKPTTOOL_NUMBA", "0")
-    assert kernel() is None
-
-
 @pytest.mark.parametrize("numba", ["1", "0"])
 def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype(monkeypatch, numba):
     """The CPU kernel (per-block tables, bf16 rounded in integers; the gather compiled by numba or

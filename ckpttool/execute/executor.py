@@ -21,7 +21,6 @@ from ckpttool.execute.staging import Staging
 from ckpttool.execute.tasks import GatherTask, Task, make_tasks, run_order
 from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS
 from ckpttool.io.checkpoint import ShardFiles
-from ckpttool.kernels import numba_jit
 from ckpttool.plan.types import Plan
 
 # Journal granularity: work done since the last commit is redone after a crash.
@@ -90,7 +89,6 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
     tasks = make_tasks(plan, inputs, staging.done, staging.published, files)
     used = sorted({t.transform for t in tasks if t.transform in BY_NAME})
     dev = resolve_device(device, sum(t.nbytes_out for t in tasks) if used else 0)
-    numba_jit.warm_up([get for name in used for get in BY_NAME[name].numba])  # numpy until they are built
     gpu = CudaTransforms(dev, [BY_NAME[n] for n in used], staging.timings) if dev != "cpu" and used else None
     if gpu is not None and wait_for_cuda:
         gpu.wait()

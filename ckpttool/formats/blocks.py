@@ -14,7 +14,7 @@ import numpy as np
 
 from ckpttool.errors import InputError
 from ckpttool.formats.row import Companion, QuantFormat
-from ckpttool.kernels import fp8_cpu, fp8_gather, mxfp4_cpu
+from ckpttool.kernels import fp8_cpu, mxfp4_cpu
 from ckpttool.kernels.fp8 import BLOCK, FP8_DTYPES, check_scale
 from ckpttool.kernels.mxfp4 import VALUES_PER_BLOCK, check_mxfp4
 
@@ -49,7 +49,7 @@ FP8_BLOCK = QuantFormat(
     check=_check_fp8, out_shape=lambda shape: shape, companion=FP8_SCALE,
     row_align=BLOCK, scale_rows=lambda r0, r1: (r0 // BLOCK, -(-r1 // BLOCK)), scale_whole=True,
     out_per_source_row=lambda shape: math.prod(shape[1:]),
-    cpu=fp8_cpu.dequant, cuda=_fp8_cuda, example=_fp8_example, numba=(fp8_gather.kernel, fp8_gather.bf16_tables),
+    cpu=fp8_cpu.dequant, cuda=_fp8_cuda, example=_fp8_example,
 )
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ckpttool.errors import InputError
 from ckpttool.formats.row import QuantFormat
-from ckpttool.kernels import fp8_gather, nvfp4_cpu, scaled_cpu, scaled_numba
+from ckpttool.kernels import nvfp4_cpu, scaled_cpu
 
 METHOD = "compressed-tensors"
 INT4_GROUPS = (16, 32, 64, 128, 256)
@@ -72,7 +72,7 @@ def _int4(group: int) -> QuantFormat:
         row_align=1, scale_rows=lambda r0, r1: (r0, r1), scale_whole=False,
         out_per_source_row=lambda s: math.prod(s[1:]) * 8,
         cpu=lambda x, s, dtype, out: scaled_cpu.dequant_int4(x, s, "BF16", out), cuda=cuda, example=example,
-        shape_leaf="weight_shape", keepable=False, numba=(scaled_numba.kernels,))
+        shape_leaf="weight_shape", keepable=False)
 
 
 CT_INT4 = {g: _int4(g) for g in INT4_GROUPS}
@@ -106,8 +106,7 @@ def _fp8(strategy: str) -> QuantFormat:
         row_align=1, scale_rows=(lambda r0, r1: (r0, r1)) if strategy == "channel" else (lambda r0, r1: (0, 1)),
         scale_whole=True, out_per_source_row=lambda s: math.prod(s[1:]),
         cpu=lambda x, s, dtype, out: scaled_cpu.dequant_fp8_rows(x, s, dtype, "BF16", out), cuda=cuda,
-        example=example, dropped_leaves=("input_scale",), keepable=False,
-        numba=(scaled_numba.kernels, fp8_gather.bf16_tables))
+        example=example, dropped_leaves=("input_scale",), keepable=False)
 
 
 CT_FP8_CHANNEL = _fp8("channel")
@@ -163,7 +162,7 @@ def nvfp4_row(variant: str, **fields) -> QuantFormat:
         weight_dtypes=("U8",), scale_dtype="F8_E4M3", check=check_nvfp4, out_shape=lambda s: (s[0], s[1] * 2),
         companion=None, row_align=1, scale_rows=lambda r0, r1: (r0, r1), scale_whole=False,
         out_per_source_row=lambda s: math.prod(s[1:]) * 2, cpu=cpu, cuda=cuda, example=example, keepable=False,
-        numba=(scaled_numba.kernels,), **fields)
+        **fields)
 
 
 CT_NVFP4 = nvfp4_row("compressed-tensors", name="ct_nvfp4", title="compressed-tensors nvfp4-pack-quantized NVFP4",

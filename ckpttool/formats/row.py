@@ -79,9 +79,6 @@ class QuantFormat:
     """activation scales: meaningless once the weight is BF16, dropped with it when present"""
     keepable: bool = True
     """whether a plan may keep the format (shard without dequant): False where ckpttool cannot split it"""
-    numba: tuple[Callable[[], object], ...] = ()
-    """getters of the numba kernels its CPU path calls (kernels/numba_jit.py): a conversion builds them on
-    a thread of its own at the start, the workers running numpy meanwhile"""
 
     def base_of(self, stored_weight: str) -> str:
         """The dequantized name of a stored weight name (`X.weight_packed` -> `X.weight`)."""

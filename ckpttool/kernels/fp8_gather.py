@@ -49,8 +49,9 @@ def bf16_tables(numba):
     """The compiled BF16 table builder (fp8_cpu.value_tables' numpy steps in one loop per scale, no
     temporaries), or None where numba is missing or disabled. Each entry is the same fp32 product of value
     and scale, rounded to nearest even by the same uint32 arithmetic as fp8_cpu.round_to_bf16 (its wrap
-    included), so the same bits. On the H100 machine numpy's seven passes took 13% of the workers' samples in
-    a 16-worker conversion (bench/RESULTS.md); here: 36 us against 283 us for a 32 MiB chunk's tables."""
+    included), so the same bits. On the H100 machine numpy's seven passes (and their temporaries' page
+    faults) took 13% of the workers' samples in a 16-worker conversion; with this loop a 32 MiB chunk's
+    tables take 36 us against 283 us, and a conversion RAM to RAM ran 0.9-0.95x the time (bench/RESULTS.md)."""
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def tables(values, scales, prod, out):  # pragma: no cover - compiled
@@ -66,20 +67,6 @@ def bf16_tables(numba):
                 out[i, k] = np.uint16(r >> np.uint64(16))
 
     return tables
-
-
-def _exercise_gather(gather) -> None:
-    """fp8_cpu.dequant's argument types, per carrier (uint16: BF16 and F16; uint32: F32)."""
-    for carrier in (np.uint16, np.uint32):
-        gather(np.zeros((1, 1), np.uint8), np.zeros((1, 256), carrier), np.zeros((1, 1), carrier), 7, 0x7FFF, 0x7F80)
-
-
-def _exercise_tables(tables) -> None:
-    """fp8_cpu.value_tables' argument types."""
-    tables(np.zeros(256, np.float32), np.ones(1, np.float32), np.zeros(256, np.float32), np.zeros((1, 256), np.uint16))
-
-
-kernel.exercise, bf16_tables.exercise = _exercise_gather, _exercise_tables
 
 
 def gather_numpy(codes: np.ndarray, tables: np.ndarray, out: np.ndarray, block: int, mask: int, inf: int) -> int:
