@@ -13,9 +13,7 @@ cache are read where they are: never copied, never deleted. Nothing outside DST 
 
 from __future__ import annotations
 
-import hashlib
 import os
-import queue
 import shutil
 import threading
 import time
@@ -24,22 +22,17 @@ from typing import Callable
 
 from huggingface_hub.file_download import http_get
 
-from ckpttool import faults
 from ckpttool.errors import InputError, OutputError
 from ckpttool.execute.staging import Staging, disk_error
 from ckpttool.hub.client import HUB_FAILURES, SilentTqdm, translate
 from ckpttool.hub.remote import RemoteCheckpoint, RemoteRepo
 from ckpttool.hub.schedule import most_live, reads, schedule
+from ckpttool.hub.sink import Aborted, HashingSink
 from ckpttool.io.layout import STREAM_FETCH, STREAM_INPUT
 from ckpttool.plan.types import Plan
 
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 REFETCH_ATTEMPTS = 1
-HASH_QUEUE = 3  # pieces of up to 10 MB (huggingface_hub's DOWNLOAD_CHUNK_SIZE) waiting to be hashed
-
-
-class _Aborted(Exception):
-    """The run is stopping: a download in flight gives up."""
 
 
 class StreamingCheckpoint(RemoteCheckpoint):
@@ -93,7 +86,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
                               fix="report this as a ckpttool bug; rerun with --resume")
         while not ready.wait(0.5):
             if self._closing:
-                raise _Aborted()
+                raise Aborted()
         if fname in self._errors:
             raise self._errors[fname]
 
@@ -220,7 +213,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
         try:
             fetch(name)
         except BaseException as exc:  # noqa: BLE001 - raised in the thread that reads the file
-            self._errors[name] = exc if not isinstance(exc, _Aborted) else OutputError(
+            self._errors[name] = exc if not isinstance(exc, Aborted) else OutputError(
                 "the run stopped while this file was being fetched", file=self.root / name,
                 fix="rerun the same command with --resume")
         finally:
@@ -266,7 +259,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
         part.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(part, os.O_RDWR | os.O_CREAT | NOFOLLOW | (0 if resume else os.O_TRUNC), 0o644)
         with os.fdopen(fd, "r+b") as f:
-            with _HashingSink(f, self.repo.files[name], len(self.repo.headers.get(name, b"")), self._downloaded,
+            with HashingSink(f, self.repo.files[name], len(self.repo.headers.get(name, b"")), self._downloaded,
                               lambda: self._closing) as sink:
                 have = sink.rehash()
                 if have > (self.repo.files[name].size or 0):
@@ -276,7 +269,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
                 try:
                     http_get(self.repo.url(name), sink, resume_size=have, headers=self.repo.http_headers(),
                              expected_size=self.repo.files[name].size, displayed_filename=name, tqdm_class=SilentTqdm)
-                except _Aborted:
+                except Aborted:
                     raise
                 except OSError as exc:
                     if "Consistency check failed" in str(exc):
@@ -291,7 +284,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
                 return sink.problem(self.repo.headers.get(name))
 
     def _check_whole(self, path: Path, name: str) -> str | None:
-        with open(path, "rb") as f, _HashingSink(f, self.repo.files[name], len(self.repo.headers.get(name, b"")),
+        with open(path, "rb") as f, HashingSink(f, self.repo.files[name], len(self.repo.headers.get(name, b"")),
                                                  None, None) as sink:
             sink.rehash()
             return sink.problem(self.repo.headers.get(name))
@@ -318,121 +311,6 @@ class StreamingCheckpoint(RemoteCheckpoint):
         used = sum(p.lstat().st_blocks * 512 for p in _files_under(self.root.parent.parent))
         with self._cond:
             self.stats["peak_disk_bytes"] = max(self.stats["peak_disk_bytes"], used)
-
-
-class _BackgroundHash:
-    """A hashlib object fed on a thread of its own, so that the transfer's thread goes back to the socket
-    while each 10 MB piece hashes (sha256: about 1.2 GB/s per core). Hashing inline, a single paced
-    connection ran 7-11% below the link's speed while the conversion kept the other cores busy
-    (bench/RESULTS.md). At most HASH_QUEUE pieces wait."""
-
-    def __init__(self, h):
-        self.h = h
-        self._queue: queue.Queue = queue.Queue(maxsize=HASH_QUEUE)
-        self._thread = threading.Thread(target=self._run, name="ckpttool-fetch-hash", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (data := self._queue.get()) is not None:
-            self.h.update(data)
-
-    def update(self, data: bytes) -> None:
-        self._queue.put(data)
-
-    def hexdigest(self) -> str:
-        self.close()
-        return self.h.hexdigest()
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-
-class _HashingSink:
-    """The file object http_get writes into: hashes (LFS sha256, else git blob sha1, on a thread of its
-    own) and keeps the header bytes as they pass, reports progress, and stops the transfer when the run
-    stops. Leaving its `with` ends the hashing thread."""
-
-    def __init__(self, f, remote, head_len: int, progress, stopping):
-        self.f, self.remote, self.head_len = f, remote, head_len
-        self.progress, self.stopping = progress, stopping
-        self.pos = 0
-        self.h: _BackgroundHash | None = None
-
-    def _reset(self) -> None:
-        self.close()
-        size = self.remote.size or 0
-        self.h = _BackgroundHash(hashlib.sha256() if self.remote.sha256 else hashlib.sha1(b"blob %d\0" % size))
-        self.head = bytearray()
-
-    def close(self) -> None:
-        if self.h is not None:
-            self.h.close()
-
-    def __enter__(self) -> "_HashingSink":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def rehash(self) -> int:
-        """Hash what the file already holds (an interrupted fetch); position at its end."""
-        self._reset()
-        self.f.seek(0)
-        while chunk := self.f.read(8 << 20):
-            self._take(chunk)
-        self.pos = self.f.tell()
-        return self.pos
-
-    def _take(self, data) -> None:
-        self.h.update(bytes(data))  # a copy only where http_get hands a buffer it may reuse: bytes(bytes) is the same object
-        if len(self.head) < self.head_len:
-            self.head += data[: self.head_len - len(self.head)]
-
-    def write(self, data) -> int:
-        if self.stopping is not None and self.stopping():
-            raise _Aborted()
-        faults.point("fetch")
-        self.f.write(data)
-        self._take(data)
-        self.pos += len(data)
-        if self.progress is not None:
-            self.progress(len(data))
-        return len(data)
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = self.f.seek(pos, whence)
-        return self.pos
-
-    def truncate(self, size: int | None = None) -> int:
-        """http_get rewinds when a server ignored its Range: hash the prefix kept again."""
-        self.f.truncate(self.pos if size is None else size)
-        self.f.flush()
-        keep = self.pos if size is None else size
-        self.rehash()
-        self.f.seek(keep)
-        self.pos = keep
-        return keep
-
-    def flush(self) -> None:
-        self.f.flush()
-
-    def problem(self, header: bytes | None) -> str | None:
-        self.f.flush()
-        want = self.remote.size
-        if want is not None and self.pos != want:
-            return f"size {self.pos} differs from the hub's {want}"
-        if header is not None and bytes(self.head) != header:
-            return "its header differs from the one the plan was made from"
-        expected = self.remote.sha256 or self.remote.blob_id
-        if expected and self.h.hexdigest() != expected:
-            how = "sha256" if self.remote.sha256 else "git-sha1"
-            return f"{how} {self.h.hexdigest()} differs from the hub's {expected}"
-        return None
 
 
 def _files_under(folder: Path) -> list[Path]:

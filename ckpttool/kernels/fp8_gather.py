@@ -51,7 +51,8 @@ def bf16_tables(numba):
     and scale, rounded to nearest even by the same uint32 arithmetic as fp8_cpu.round_to_bf16 (its wrap
     included), so the same bits. On the H100 machine numpy's seven passes (and their temporaries' page
     faults) took 13% of the workers' samples in a 16-worker conversion; with this loop a 32 MiB chunk's
-    tables take 36 us against 283 us, and a conversion RAM to RAM ran 0.9-0.95x the time (bench/RESULTS.md)."""
+    tables take 36 us against 283 us on the 2-core box, and a conversion RAM to RAM there takes 0.90x the time
+    (0.90-1.02x on the H100 machine: bench/RESULTS.md)."""
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def tables(values, scales, prod, out):  # pragma: no cover - compiled
