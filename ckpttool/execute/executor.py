@@ -11,7 +11,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from ckpttool import defaults
@@ -98,6 +98,11 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
     pending_bytes = 0
     last_commit = time.monotonic()
     in_flight: dict[Future, tuple[Task | GatherTask, int]] = {}
+    # finished futures arrive here (add_done_callback): one get per task, where concurrent.futures.wait
+    # locked every future in flight on each call (1.2 s of the main thread's GIL in a 16-worker run,
+    # bench/RESULTS.md)
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    watched: list[Future] = []  # the commit request's future that puts itself in `done` when asked
     committer = Committer(staging)
 
     def reap(block: bool) -> None:
@@ -108,10 +113,19 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
         # a task may be waiting for an input file (hub/stream.py) that only a commit of the tasks
         # before it frees room for. With nothing pending a request waits for the next task to finish.
         asked = staging.commit_request
-        watch = [*in_flight, asked.future] if pending else list(in_flight)
-        finished, _ = wait(watch, timeout=COMMIT_EVERY_SECONDS if block else 0, return_when=FIRST_COMPLETED)
-        finished.discard(asked.future)
+        if not watched or watched[0] is not asked.future:
+            watched[:] = [asked.future]
+            asked.future.add_done_callback(done.put)
+        finished = []
+        try:
+            finished.append(done.get(timeout=COMMIT_EVERY_SECONDS) if block else done.get_nowait())
+            while True:
+                finished.append(done.get_nowait())
+        except queue.Empty:
+            pass
         for fut in finished:
+            if fut not in in_flight:  # the commit request
+                continue
             task, held = in_flight.pop(fut)
             budget.release(held)
             written = fut.result()  # re-raises a worker's error here, in the main thread
@@ -136,7 +150,9 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
                 while in_flight and (len(in_flight) >= workers * 2 or budget.used + min(need, budget.limit) > budget.limit):
                     reap(block=True)
                 held = budget.acquire(need)
-                in_flight[pool.submit(task.run, inputs, staging, gpu, chunk_bytes)] = (task, held)
+                fut = pool.submit(task.run, inputs, staging, gpu, chunk_bytes)
+                in_flight[fut] = (task, held)
+                fut.add_done_callback(done.put)
                 reap(block=False)
             while in_flight:
                 reap(block=True)
