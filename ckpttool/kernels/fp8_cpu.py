@@ -7,8 +7,9 @@ is carried as uint16 and rounded with integer arithmetic.
 
 An FP8 code has 256 values and a block one scale, so each 128x128 block's outputs are a 256-entry
 table: the multiply and the rounding run once per (block, code) (for BF16 in one numba loop,
-fp8_gather.bf16_tables, else in numpy), and each element is one gather from a table that stays in L1. The gather is a numba kernel (kernels/fp8_gather.py: one
-call per chunk, without the GIL; 2.2 Gelem/s on one core of the 2-core box) where numba imports,
+fp8_gather.bf16_tables, else in numpy), and each element is one gather from a table that stays in
+L1. The gather is a numba kernel (kernels/fp8_gather.py: one call per chunk, without the GIL;
+2.2 Gelem/s on one core of the 2-core box) where numba imports,
 else numpy (`np.take` over precomputed indices, 0.75 Gelem/s). The previous kernel, a float32
 gather then in-place multiply, NaN and rounding passes, ran 0.26 Gelem/s there. NaN codes (or a
 product that is NaN) show as NaN output bits, found in the same pass.
