@@ -60,10 +60,10 @@ def tail_split(wall: float, report: dict, last_ready: float | None) -> dict | No
     phases = report.get("timing", {}).get("phases_s")
     if not phases or last_ready is None:
         return None
-    after = phases["execute"] - last_ready + phases.get("hash_wait", 0) + phases.get("publish", 0)
+    end = phases.get("hash_wait", 0) + phases.get("publish", 0)
     return {"start_up": round(wall - report["seconds"], 3),
-            "set_up": round(report["seconds"] - phases["execute"] - phases.get("hash_wait", 0) - phases.get("publish", 0), 3),
-            "after_last_ready": round(after, 3)}
+            "set_up": round(report["seconds"] - phases["execute"] - end, 3),
+            "after_last_ready": round(phases["execute"] - last_ready + end, 3)}
 
 
 def main() -> None:

@@ -83,7 +83,8 @@ class HashingSink:
         return self.pos
 
     def _take(self, data) -> None:
-        self.h.update(bytes(data))  # a copy only where http_get hands a buffer it may reuse: bytes(bytes) is the same object
+        # queued for the hashing thread: a copy only of a buffer http_get may reuse (bytes(bytes) is itself)
+        self.h.update(bytes(data))
         if len(self.head) < self.head_len:
             self.head += data[: self.head_len - len(self.head)]
 
