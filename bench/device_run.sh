@@ -58,6 +58,8 @@ PY
 
 # the V3-shaped synthetic (10.87 GB in 8 files) in tmpfs, once; a command's wall seconds
 v3syn() { [ -d /dev/shm/v3syn ] || python3 -m bench.make_synthetic --out /dev/shm/v3syn --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1; }
+# every safetensors file of /dev/shm/o equal to /dev/shm/ref's: NAME (printed with any difference)
+same() { for f in /dev/shm/ref/*.safetensors; do cmp -s "$f" "/dev/shm/o/$(basename "$f")" || echo "DIFF $1 $(basename "$f")"; done; echo "cmp $1 done"; }
 secs() { local t; t=$(date +%s.%N); "$@" > /dev/null || echo "FAILED: $*" >&2; awk -v a="$t" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }'; }
 
 if on 4; then
@@ -86,7 +88,6 @@ if on 3; then
   [ -d $S ] || python3 -m bench.make_synthetic --out $S --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
   python3 bench/ram_ceiling.py --dir /dev/shm/ceil --gb 18 --threads 1,4,16 | tee "$OUT/ceiling.json"
   run() { rm -rf /dev/shm/o; timeout 120 python3 /tmp/wrap.py "$@" | tee -a "$OUT/runs.jsonl"; }
-  same() { for f in /dev/shm/ref/*.safetensors; do cmp -s "$f" "/dev/shm/o/$(basename "$f")" || echo "DIFF $1 $(basename "$f")"; done; echo "cmp $1 vs 7b674de done"; }
   run base-cpu $BASE /dev/shm/o --device cpu; rm -rf /dev/shm/ref; mv /dev/shm/o /dev/shm/ref
   run new-cpu-1 $PWD /dev/shm/o --device cpu; same new-cpu
   run new-cuda-1 $PWD /dev/shm/o --device cuda; same new-cuda
@@ -163,7 +164,7 @@ if on 13; then
     rm -rf /dev/shm/o; timeout 120 python3 /tmp/wrap.py "prev-$i" $P /dev/shm/o --device cpu | tee -a "$OUT/prev.jsonl"
     rm -rf /dev/shm/ref; mv /dev/shm/o /dev/shm/ref
     timeout 120 python3 /tmp/wrap.py "this-$i" $PWD /dev/shm/o --device cpu | tee -a "$OUT/prev.jsonl"
-    for f in /dev/shm/ref/*.safetensors; do cmp -s "$f" "/dev/shm/o/$(basename "$f")" || echo "DIFF $(basename "$f")"; done
+    same "this-$i vs prev"
     if [ -n "${THIS_ENV:-}" ]; then  # a variant of this tree: env assignments, e.g. CKPTTOOL_NUMBA=1
       rm -rf /dev/shm/o; env $THIS_ENV timeout 120 python3 /tmp/wrap.py "this-$THIS_ENV-$i" $PWD /dev/shm/o --device cpu | tee -a "$OUT/prev.jsonl"
     fi

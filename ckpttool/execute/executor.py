@@ -102,20 +102,20 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
     # locked every future in flight on each call (1.2 s of the main thread's GIL in a 16-worker run,
     # bench/RESULTS.md)
     done: queue.SimpleQueue = queue.SimpleQueue()
-    watched: list[Future] = []  # the commit request's future that puts itself in `done` when asked
+    watched: Future | None = None  # the commit request's future that puts itself in `done` when asked
     committer = Committer(staging)
 
     def reap(block: bool) -> None:
-        nonlocal pending_bytes, last_commit
+        nonlocal pending_bytes, last_commit, watched
         if not in_flight:
             return
         # a blocking wait still wakes to commit on time, and at once when asked (staging.commit_request):
         # a task may be waiting for an input file (hub/stream.py) that only a commit of the tasks
         # before it frees room for. With nothing pending a request waits for the next task to finish.
         asked = staging.commit_request
-        if not watched or watched[0] is not asked.future:
-            watched[:] = [asked.future]
-            asked.future.add_done_callback(done.put)
+        if watched is not asked.future:  # a commit replaces it
+            watched = asked.future
+            watched.add_done_callback(done.put)
         finished = []
         try:
             finished.append(done.get(timeout=COMMIT_EVERY_SECONDS) if block else done.get_nowait())
