@@ -147,3 +147,29 @@ def test_too_little_free_space_is_refused_before_anything_is_created(tiny_v3, sm
     assert proc.returncode != 0
     assert "GiB free, only" in proc.stderr and "fix:" in proc.stderr and str(small_filesystem) in proc.stderr
     assert list(small_filesystem.iterdir()) == []  # not even DST
+
+
+def test_a_tensor_is_journalled_only_once_every_run_of_its_rows_is_written(tiny_v3, tmp_path, monkeypatch):
+    """Several workers stream one tensor's runs of rows at once (Task.row_runs). When one run fails
+    (ENOSPC) after others of the same tensor were written, the journal may hold none of that tensor's
+    pieces, or --resume would skip rows never written; the resumed output equals a clean run's."""
+    from ckpttool import faults
+    from ckpttool.errors import OutputError
+    from ckpttool.execute import executor
+    from ckpttool.plan.build import Spec
+    from ckpttool.runner import ExecOptions, convert
+
+    def run(dst, **kw):
+        return convert(tiny_v3, dst, Spec(dequant=True, mp=2), ExecOptions(quiet=True, chunk_bytes=1024, workers=3, **kw))
+
+    run(tmp_path / "clean")
+    monkeypatch.setattr(executor, "COMMIT_EVERY_BYTES", 1)  # journal every finished tensor at once
+    monkeypatch.setattr(faults, "_counts", {})
+    monkeypatch.setattr(faults, "_target", ("pwrite", 1100, "enospc"))
+    with pytest.raises(OutputError, match="no space left"):
+        run(tmp_path / "out")
+    monkeypatch.setattr(faults, "_target", None)
+    journalled = (tmp_path / "out" / PARTIAL_DIR / JOURNAL).read_text().count("\n")
+    assert journalled > 5
+    assert run(tmp_path / "out", resume=True).resumed_from == journalled
+    assert _tree(tmp_path / "out") == _tree(tmp_path / "clean")

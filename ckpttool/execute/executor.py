@@ -18,7 +18,8 @@ from ckpttool import defaults
 from ckpttool.execute.cuda import CudaTransforms
 from ckpttool.execute.device import resolve_device
 from ckpttool.execute.staging import Staging
-from ckpttool.execute.tasks import GatherTask, Task, make_tasks, run_order
+from ckpttool.execute.gather import GatherTask
+from ckpttool.execute.tasks import Task, make_tasks, run_order, warm_cpu_kernels
 from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS
 from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.plan.types import Plan
@@ -93,11 +94,20 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
     if gpu is not None and wait_for_cuda:
         gpu.wait()
     run_order(tasks, inputs)
+    warm = None  # the CPU kernels' first call (numba's import and load) overlaps the copies that come first
+    if used and not (gpu is not None and wait_for_cuda):
+        warm = threading.Thread(target=warm_cpu_kernels, args=(tasks,), name="ckpttool-warm", daemon=True)
+        warm.start()
     budget = MemoryBudget(max_memory)
     pending: list[tuple[str, str]] = []
     pending_bytes = 0
     last_commit = time.monotonic()
     in_flight: dict[Future, tuple[Task | GatherTask, int]] = {}
+    # a task's runs of rows are work items of their own (Task.row_runs): several workers stream one large
+    # tensor at once, so it neither runs alone at the end nor holds every file's hashed prefix back while
+    # one worker streams it (the wait for the manifest's hash, bench/RESULTS.md). Its pieces are
+    # journalled once every run is written.
+    runs_left: dict[int, int] = {}
     # finished futures arrive here (add_done_callback): one get per task, where concurrent.futures.wait
     # locked every future in flight on each call (1.2 s of the main thread's GIL in a 16-worker run,
     # bench/RESULTS.md)
@@ -129,10 +139,11 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
             task, held = in_flight.pop(fut)
             budget.release(held)
             written = fut.result()  # re-raises a worker's error here, in the main thread
-            pending.extend((file, placed.tensor.name) for file, placed in written)
-            pending_bytes += task.nbytes_out
-            if progress is not None:
-                progress(task.nbytes_out)
+            if _last_run(runs_left, task):
+                pending.extend((file, placed.tensor.name) for file, placed in written)
+                pending_bytes += task.nbytes_out
+                if progress is not None:
+                    progress(task.nbytes_out)
         if pending and (pending_bytes >= COMMIT_EVERY_BYTES or time.monotonic() - last_commit > COMMIT_EVERY_SECONDS
                         or asked.asked()):
             asked.clear()
@@ -147,13 +158,17 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
         try:
             for task in tasks:
                 need = task.memory(chunk_bytes)
-                while in_flight and (len(in_flight) >= workers * 2 or budget.used + min(need, budget.limit) > budget.limit):
-                    reap(block=True)
-                held = budget.acquire(need)
-                fut = pool.submit(task.run, inputs, staging, gpu, chunk_bytes)
-                in_flight[fut] = (task, held)
-                fut.add_done_callback(done.put)
-                reap(block=False)
+                runs = task.row_runs(chunk_bytes)
+                runs_left[id(task)] = len(runs)
+                for rows in runs:
+                    while in_flight and (len(in_flight) >= workers * 2
+                                         or budget.used + min(need, budget.limit) > budget.limit):
+                        reap(block=True)
+                    held = budget.acquire(need)
+                    fut = pool.submit(task.run, inputs, staging, gpu, chunk_bytes, rows)
+                    in_flight[fut] = (task, held)
+                    fut.add_done_callback(done.put)
+                    reap(block=False)
             while in_flight:
                 reap(block=True)
         except BaseException:
@@ -162,11 +177,13 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
                 fut.cancel()
             raise
         finally:
+            if warm is not None:
+                warm.join()
             if torch_threads is not None:
                 torch_threads()
             # whatever finished cleanly is durable and journalled, so --resume skips it
             for fut, (task, _) in list(in_flight.items()):
-                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                if fut.done() and not fut.cancelled() and fut.exception() is None and _last_run(runs_left, task):
                     pending.extend((file, placed.tensor.name) for file, placed in fut.result())
             if pending:
                 committer.queue.put(list(pending))
@@ -176,6 +193,12 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
                 if not failed:
                     raise
                 # else the error already propagating is the one to report; this work is redone on --resume
+
+
+def _last_run(runs_left: dict[int, int], task) -> bool:
+    """Count one of `task`'s runs of rows as written; True when it was the last."""
+    runs_left[id(task)] -= 1
+    return runs_left[id(task)] == 0
 
 
 def _share_torch_threads(workers: int) -> Callable[[], None]:

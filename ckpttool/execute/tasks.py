@@ -2,11 +2,12 @@
 
 A `Task` is one input tensor (plus its scale) and every output piece made from it. It streams its
 source in runs of dim-0 rows: read the rows, transform them (FP8/MXFP4 dequant, on CPU or CUDA), and
-pwrite each piece's share of them at its planned offset. Rows no remaining piece needs are never
-read, so a resumed or distributed run reads only what it writes.
+pwrite each piece's share of them at its planned offset. Each run of rows (one chunk) is a work item
+of its own (`Task.row_runs`), so several workers stream one large tensor at once. Rows no remaining
+piece needs are never read, so a resumed or distributed run reads only what it writes.
 
-A `GatherTask` is the other direction (merge): one output tensor made of its ranks' parts, streamed
-in runs of rows too, each run of every part concatenated along the split dim and written in place.
+A `GatherTask` (execute/gather.py) is the other direction: merge's output tensor made of its ranks'
+parts.
 
 Inputs are addressed by (file, tensor) through io.checkpoint.ShardFiles, so a Checkpoint (names
 resolved through its index) and a set of mp shards (names repeated per rank) read the same way.
@@ -21,14 +22,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ckpttool import defaults
-from ckpttool.dtypes import itemsize
+from ckpttool.dtypes import CARRIERS, itemsize
 from ckpttool.errors import InputError
 from ckpttool.execute.cuda import CudaTransforms
+from ckpttool.execute.gather import GatherTask
 from ckpttool.execute.osutil import in_memory_fs
 from ckpttool.execute.staging import Staging
 from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS, QuantFormat, with_leaf
 from ckpttool.io.checkpoint import ShardFiles
-from ckpttool.io.safetensors import TensorInfo, array_from_bytes, read_bytes
+from ckpttool.io.safetensors import TensorInfo, array_from_bytes
 from ckpttool.kernels import fp8_cpu
 from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.plan.types import PlacedTensor, Plan
@@ -95,54 +97,22 @@ class Task:
         """Where its first piece lands (mp files order their tensors alike)."""
         return self.pieces[0][1].start
 
-    def run(self, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
-            chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
-        return run_task(self, inputs, staging, gpu, chunk_bytes)
-
-
-@dataclass(slots=True)
-class GatherTask:
-    """One output tensor concatenated from parts along `concat_dim` (merge): each part is one rank's slice."""
-
-    out_file: str
-    placed: PlacedTensor
-    parts: list[tuple[str, TensorInfo]]  # (input file, header entry)
-    concat_dim: int
-
-    transform = None  # bytes are moved, never transformed
-
-    @property
-    def pieces(self) -> list[tuple[str, PlacedTensor]]:
-        return [(self.out_file, self.placed)]
-
-    @property
-    def nbytes_out(self) -> int:
-        return self.placed.end - self.placed.start
-
-    @property
-    def read_order(self) -> tuple[str, int]:
-        return self.parts[0][0], self.parts[0][1].start
-
-    @property
-    def write_order(self) -> int:
-        return self.placed.start
-
-    def chunk_rows(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
-        shape = self.placed.tensor.shape
-        if not shape:
-            return 1
-        row_bytes = self.nbytes_out // max(shape[0], 1)
-        return max(1, chunk_bytes // max(row_bytes, 1))
-
-    def memory(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
-        """The parts' rows of one run, and their concatenation."""
-        shape = self.placed.tensor.shape
-        rows = min(self.chunk_rows(chunk_bytes), shape[0] if shape else 1)
-        return 2 * (self.nbytes_out // max(shape[0] if shape else 1, 1)) * rows
+    def row_runs(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[int, int] | None]:
+        """The runs of rows (one chunk each) the executor schedules as work items of their own, so that
+        several workers stream one large tensor at once; [None] where the task runs whole (a
+        quantize transform, a scalar)."""
+        if self.transform in QUANTIZE_TRANSFORMS or not self.info.shape:
+            return [None]
+        lo, hi = _needed_rows(self, self.rows)
+        align = BY_NAME[self.transform].row_align if self.transform else 1
+        lo = lo // align * align
+        step = self.chunk_rows(chunk_bytes)
+        return [(r, min(r + step, hi)) for r in range(lo, hi, step)] or [None]
 
     def run(self, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
-            chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
-        return run_gather(self, inputs, staging, chunk_bytes)
+            chunk_bytes: int = defaults.CHUNK_BYTES, rows: tuple[int, int] | None = None,
+            ) -> list[tuple[str, PlacedTensor]]:
+        return run_task(self, inputs, staging, gpu, chunk_bytes, rows)
 
 
 def run_order(tasks: list, inputs: ShardFiles) -> list:
@@ -157,6 +127,32 @@ def run_order(tasks: list, inputs: ShardFiles) -> list:
     by_write = inputs.local and in_memory_fs(inputs.root)
     tasks.sort(key=(lambda t: t.write_order) if by_write else (lambda t: t.read_order))
     return tasks
+
+
+def warm_cpu_kernels(tasks: list) -> None:
+    """Run each CPU kernel the tasks need once, on its smallest input: zero codes (valid in every format)
+    and unit scales. A numba kernel's first call imports numba and loads its compiled code (0.6 s on
+    the 2-core box); called on a thread of its own when a run starts, that load overlaps the copies
+    that come first instead of holding every worker at their first dequant. The real call reports any
+    error, so one here is ignored."""
+    seen = set()
+    for t in tasks:
+        if not isinstance(t, Task) or t.transform not in BY_NAME or not t.info.shape or t.scale_info is None:
+            continue
+        key = (t.transform, t.info.dtype, t.scale_info.dtype, t.out_dtype, len(t.info.shape), len(t.scale_info.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        fmt = BY_NAME[t.transform]
+        fmt = fmt.bind(1.0) if fmt.global_leaf else fmt
+        rows = min(fmt.row_align, t.rows)
+        s0, s1 = fmt.scale_rows(0, rows)
+        x = np.zeros((rows, *t.info.shape[1:]), CARRIERS[t.info.dtype])
+        scale = np.ones((s1 - s0, *t.scale_info.shape[1:]), CARRIERS[t.scale_info.dtype])
+        try:
+            fmt.cpu(x, scale, t.info.dtype, t.out_dtype)
+        except Exception:  # noqa: BLE001 - a warm-up only; the task's own call names the problem
+            pass
 
 
 def make_tasks(plan: Plan, inputs: ShardFiles, done: set[tuple[str, str]], published: set[str],
@@ -184,20 +180,6 @@ def make_tasks(plan: Plan, inputs: ShardFiles, done: set[tuple[str, str]], publi
                                          scale.file if scale else None, scale.info if scale else None, t.dtype)
             task.pieces.append((f.name, p))
     return [*tasks.values(), *gathers]
-
-
-def read_rows(inputs: ShardFiles, file: str, info: TensorInfo, r0: int, r1: int,
-              into: np.ndarray | None = None) -> np.ndarray:
-    """Rows [r0, r1) of dim 0 (the whole tensor for a scalar) as a numpy array in the dtype's
-    carrier: one contiguous byte range, read into the front of `into` (a worker's pinned buffer)
-    when given."""
-    if not info.shape:
-        return array_from_bytes(inputs.read_from(file, info.name), info.dtype, info.shape)
-    row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
-    nbytes = (r1 - r0) * row_bytes
-    out = into[:nbytes] if into is not None and nbytes else None
-    buf = read_bytes(inputs.fd(file), info.start + r0 * row_bytes, nbytes, inputs.root / file, out=out)
-    return array_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
 
 
 _scratch = threading.local()
@@ -243,8 +225,10 @@ def _global_scale(inputs: ShardFiles, task: Task, fmt: QuantFormat) -> float:
 
 
 def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
-             chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
-    """Stream one task's rows: read, transform (on `gpu` when given and started, else the CPU), write."""
+             chunk_bytes: int = defaults.CHUNK_BYTES, rows: tuple[int, int] | None = None,
+             ) -> list[tuple[str, PlacedTensor]]:
+    """Stream one task's rows (only those in `rows`, one of `Task.row_runs`, when given): read, transform
+    (on `gpu` when given and started, else the CPU), write."""
     clock = staging.timings
     info = task.info
     if task.transform in QUANTIZE_TRANSFORMS:  # torch code (the quantize kernels), on the whole tensor
@@ -261,7 +245,7 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                 y = x if placed.tensor.narrow is None else x.narrow(*placed.tensor.narrow)
                 staging.pwrite(file, y.contiguous().reshape(-1).view(torch.uint8).numpy(), placed.start)
         return list(task.pieces)
-    if task.transform is None and info.shape and _copy_pieces(task, inputs, staging):
+    if task.transform is None and info.shape and _copy_pieces(task, inputs, staging, rows):
         return list(task.pieces)
     n_rows = task.rows
     lo, hi = _needed_rows(task, n_rows)
@@ -270,6 +254,8 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
         lo = lo // fmt.row_align * fmt.row_align
         if fmt.global_leaf:
             fmt = fmt.bind(_global_scale(inputs, task, fmt))
+    if rows is not None:
+        lo, hi = max(lo, rows[0]), min(hi, rows[1])
     scale_full = None
     if task.scale is not None and fmt is not None and fmt.scale_whole:
         scale_info = task.scale_info
@@ -293,11 +279,11 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                 buf = gpu.staging(max(rows_in, rows_out))
             elif gpu is None and not scalar:
                 buf = scratch("in", (r1 - r0) * in_row_bytes)
-            x = read_rows(inputs, task.file, info, r0, r1, buf)
+            x = inputs.read_rows(task.file, info, r0, r1, buf)
             if fmt is not None:
                 s0, s1 = fmt.scale_rows(r0, r1)
                 scale = scale_full[s0:s1] if scale_full is not None else \
-                    read_rows(inputs, task.scale_file, task.scale_info, s0, s1)
+                    inputs.read_rows(task.scale_file, task.scale_info, s0, s1)
         if fmt is not None:
             with clock.activity("transform"):
                 try:
@@ -316,19 +302,24 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
     return list(task.pieces)
 
 
-def _copy_pieces(task: Task, inputs: ShardFiles, staging: Staging) -> bool:
+def _copy_pieces(task: Task, inputs: ShardFiles, staging: Staging, rows: tuple[int, int] | None = None) -> bool:
     """A byte-moving task whose every piece is a run of whole rows of its source (no split along a
-    later dim) is copied by the kernel, piece by piece (Staging.copy_range). False where a piece is
-    not contiguous in the source or the kernel cannot copy: the rows are then read and written."""
+    later dim) is copied by the kernel, piece by piece (Staging.copy_range), each piece's share of
+    `rows` when given. False where a piece is not contiguous in the source or the kernel cannot copy:
+    the rows are then read and written."""
     info = task.info
     row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+    a, b = rows if rows is not None else (0, info.shape[0])
     ranges = []
     for file, placed in task.pieces:
         nar = placed.tensor.narrow
         if nar is not None and nar[0] != 0:
             return False
-        first, rows = (0, info.shape[0]) if nar is None else (nar[1], nar[2])
-        ranges.append((file, info.start + first * row_bytes, rows * row_bytes, placed.start))
+        first, n = (0, info.shape[0]) if nar is None else (nar[1], nar[2])
+        lo, hi = max(first, a), min(first + n, b)
+        if lo < hi:
+            ranges.append((file, info.start + lo * row_bytes, (hi - lo) * row_bytes,
+                           placed.start + (lo - first) * row_bytes))
     src_fd = inputs.fd(task.file)
     with staging.timings.activity("write"):
         for file, src, nbytes, dst in ranges:
@@ -357,35 +348,3 @@ def _write_rows(task: Task, x: np.ndarray, r0: int, r1: int, staging: Staging) -
             y, offset = x[(slice(None),) * dim + (slice(start, start + length),)], placed.start + r0 * row_bytes
         if y.size:
             staging.pwrite(file, np.ascontiguousarray(y).reshape(-1).view(np.uint8), offset)
-
-
-def run_gather(task: GatherTask, inputs: ShardFiles, staging: Staging,
-               chunk_bytes: int = defaults.CHUNK_BYTES) -> list[tuple[str, PlacedTensor]]:
-    """Stream one merged tensor: rows of each part (a part's rows are contiguous bytes), concatenated
-    along the split dim, written at their offsets. Along dim 0 the parts simply follow each other."""
-    clock, placed = staging.timings, task.placed
-    shape = placed.tensor.shape
-    step = task.chunk_rows(chunk_bytes)
-    if task.concat_dim == 0 or len(task.parts) == 1 or not shape:
-        offset = placed.start
-        for file, info in task.parts:
-            rows = info.shape[0] if info.shape else 1
-            row_bytes = info.nbytes // max(rows, 1)
-            for r0 in range(0, rows, step):
-                r1 = min(r0 + step, rows)
-                with clock.activity("read"):
-                    x = read_rows(inputs, file, info, r0, r1)
-                with clock.activity("write"):
-                    staging.pwrite(task.out_file, x.reshape(-1).view(np.uint8), offset + r0 * row_bytes)
-            offset += info.nbytes
-        return task.pieces
-    row_bytes = task.nbytes_out // shape[0]
-    for r0 in range(0, shape[0], step):
-        r1 = min(r0 + step, shape[0])
-        with clock.activity("read"):
-            xs = [read_rows(inputs, file, info, r0, r1) for file, info in task.parts]
-        with clock.activity("transform"):
-            y = np.concatenate(xs, axis=task.concat_dim)
-        with clock.activity("write"):
-            staging.pwrite(task.out_file, y.reshape(-1).view(np.uint8), placed.start + r0 * row_bytes)
-    return task.pieces

@@ -100,6 +100,18 @@ class ShardFiles:
         info = self.info(fname, name)
         return read_bytes(self.fd(fname), info.start, info.nbytes, self.root / fname)
 
+    def read_rows(self, fname: str, info: TensorInfo, r0: int, r1: int, into: np.ndarray | None = None) -> np.ndarray:
+        """Rows [r0, r1) of dim 0 (the whole tensor for a scalar) as a numpy array in the dtype's
+        carrier: one contiguous byte range, read into the front of `into` (a worker's reusable or
+        pinned buffer) when given."""
+        if not info.shape:
+            return array_from_bytes(self.read_from(fname, info.name), info.dtype, info.shape)
+        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        nbytes = (r1 - r0) * row_bytes
+        out = into[:nbytes] if into is not None and nbytes else None
+        buf = read_bytes(self.fd(fname), info.start + r0 * row_bytes, nbytes, self.root / fname, out=out)
+        return array_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
+
     def paths(self) -> list[Path]:
         return [self.root / fname for fname in sorted(self.files)]
 
