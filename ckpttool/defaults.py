@@ -35,10 +35,13 @@ def cores() -> int:
 
 
 def workers() -> int:
-    """One worker per usable core, up to 16: each runs its numpy transforms on one core. With 8 on
-    the 16-core benchmark machine the workers were busy 98% of a warm run (transform, then writes into
-    the page cache) while sha256 and the disk had room (bench/RESULTS.md)."""
-    return max(1, min(MAX_WORKERS, cores()))
+    """Three workers per four usable cores (one per core below 4), up to 16: each runs its transforms
+    on one core, and the rest keep the manifest's hash (a thread per output file) level with the
+    writes. With a worker on every core of the 16-core device the hashes fell behind, re-read what
+    they missed from the page cache and held the end of the run; 12 workers were 0.80-0.95x the wall
+    time of 16 (bench/RESULTS.md)."""
+    n = cores()
+    return max(1, min(MAX_WORKERS, n - n // 4))
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,

@@ -33,14 +33,16 @@ ALGORITHMS = ("blake3", "sha256")
 
 
 def new_hash(algorithm: str = ALGORITHM):
-    """BLAKE3 may hash an 8 MiB update on several cores (its own thread pool; the digest is the same for
-    any number of threads). Meant for the wait for the files written last at the end of a conversion
-    (1.2-1.5 s of 4.4 s on 16 cores); on the device that wait did not shrink with it (bench/RESULTS.md),
-    so the cause is still open."""
+    """A new hash object. BLAKE3 on one thread per file: its own thread pool (`max_threads=AUTO`) spun on
+    cores the workers needed, 8-10 CPU seconds more for the same wall time on the 16-core device
+    (bench/RESULTS.md). The wait for the hashes at the end of a run had two causes, both met elsewhere: a
+    large tensor streamed by one worker held every file's hashed prefix back (execute/executor.py runs a
+    tensor's runs of rows on several workers), and a worker on every core left the hashes behind, to
+    re-read what they missed (defaults.workers)."""
     if algorithm == "blake3":
         from blake3 import blake3
 
-        return blake3(max_threads=blake3.AUTO)
+        return blake3()
     if algorithm == "sha256":
         return hashlib.sha256()
     raise ValueError(f"unknown hash {algorithm!r}; one of {ALGORITHMS}")
