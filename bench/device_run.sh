@@ -17,6 +17,9 @@
 #      (--idle) and, in a second run, only the one holding the GIL (--gil); raw stacks in prof-*.txt
 #  13. RAM to RAM on the CPU: this tree against an earlier one (bench/prev.tar.gz, `git archive COMMIT ckpttool | gzip`),
 #      PREV_ROUNDS interleaved rounds (default 3), every file compared; THIS_ENV="VAR=value ..." adds this tree run under them
+#      (THIS_ENV=WRAP_MODULE=bench.nohash: without the manifest's hash, bench/nohash.py)
+#  14. RAM to RAM variants of this tree, interleaved: VARIANTS="NAME|ENV|CONVERT ARGS;..." (VAR_ROUNDS rounds), then the
+#      CUDA path's steady rate under each env of STEADY ("-": none)
 #  11. `--device cpu | cuda | auto` RAM to RAM on AUTO_CPUS CPUs (taskset; default 4 and 8), AUTO_REPS times, a 1.4 GB and the 10.87 GB
 #      input: the data `auto`'s choice is made from
 # Run from the root of a checkout with [".whl", ".seeds"] carried: .whl holds the cp312 wheels the image
@@ -40,7 +43,7 @@ cat > /tmp/wrap.py <<'PY'
 import json, os, resource, subprocess, sys, time
 name, tree, dst, *args = sys.argv[1:]
 env = dict(os.environ, PYTHONPATH=f"/tmp/site:{tree}")
-cmd = [sys.executable, "-m", "ckpttool", "convert", os.environ.get("SRC", "/dev/shm/v3syn"), dst, "--mp", "8", "--dtype", "bf16", "--quiet", "--json", *args]
+cmd = [sys.executable, "-m", os.environ.get("WRAP_MODULE", "ckpttool"), "convert", os.environ.get("SRC", "/dev/shm/v3syn"), dst, "--mp", "8", "--dtype", "bf16", "--quiet", "--json", *args]
 t = time.perf_counter()
 p = subprocess.Popen(cmd, env=env, cwd="/tmp", stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # not the repo root: its ckpttool/ would shadow the baseline
 out, err = p.communicate()
@@ -170,6 +173,29 @@ if on 13; then
     fi
   done
   rm -rf /dev/shm/o /dev/shm/ref
+fi
+
+if on 14; then
+  stamp variants
+  # VARIANTS: "NAME|ENV ASSIGNMENTS|CONVERT ARGS" separated by ";", VAR_ROUNDS interleaved rounds (default 3),
+  # each run's files compared with the first variant's of its round
+  v3syn; IFS=';' read -ra VS <<< "${VARIANTS:-base||--device cpu}"
+  for i in $(seq ${VAR_ROUNDS:-3}); do
+    first=1
+    for v in "${VS[@]}"; do
+      IFS='|' read -r name envs args <<< "$v"
+      rm -rf /dev/shm/o
+      env $envs timeout 120 python3 /tmp/wrap.py "$name-$i" $PWD /dev/shm/o $args | tee -a "$OUT/variants.jsonl"
+      if [ $first = 1 ]; then rm -rf /dev/shm/ref; mv /dev/shm/o /dev/shm/ref; first=0; else same "$name-$i"; fi
+    done
+  done
+  rm -rf /dev/shm/o /dev/shm/ref
+  # STEADY: the CUDA path after start-up (bench/gpu_steady.py) under each of these env assignments ("-": none,
+  # commas between assignments)
+  for e in ${STEADY:-}; do for i in 1 2; do
+    [ "$e" = - ] && e=; echo "steady ${e:-base}"; env ${e//,/ } timeout 120 python3 bench/gpu_steady.py /dev/shm/v3syn /dev/shm/o --mp 8 | tee -a "$OUT/steady.jsonl"
+  done; done
+  rm -rf /dev/shm/o
 fi
 
 if on 12; then

@@ -2,7 +2,7 @@
 
 Runs `convert SRC DST --mp N` in this process and samples every output file's hasher every --every
 seconds: bytes whose final contents are written from offset 0 on (the frontier) and bytes hashed, both
-summed over the files. A frontier far ahead of the hash means hashing lacks CPU; a frontier far behind
+summed over the files, and per file ([written, frontier, hashed] MB). A frontier far ahead of the hash means hashing lacks CPU; a frontier far behind
 the bytes written means pieces land out of order and the hash has to wait for them. Prints one JSON
 object: the samples, and the run's --json timing.
 
@@ -49,10 +49,15 @@ def main() -> int:
         while not stop.wait(a.every):
             hashers = list(stagings[0]._hashers.values()) if stagings else []
             if hashers:
+                written = [h._frontier + sum(e - max(s, h._frontier) for s, e in list(h._ranges) if e > h._frontier)
+                           for h in hashers]
                 samples.append({"t": round(time.perf_counter() - t0, 2),
+                                "written_gb": round(sum(written) / 1e9, 2),
                                 "frontier_gb": round(sum(h._frontier for h in hashers) / 1e9, 2),
                                 "hashed_gb": round(sum(h._hashed for h in hashers) / 1e9, 2),
-                                "size_gb": round(sum(h.size for h in hashers) / 1e9, 2)})
+                                "size_gb": round(sum(h.size for h in hashers) / 1e9, 2),
+                                "per_file_mb": [[round(w / 1e6), round(h._frontier / 1e6), round(h._hashed / 1e6)]
+                                                for w, h in zip(written, hashers)]})
 
     threading.Thread(target=sample, daemon=True).start()
     opts = ExecOptions(quiet=True, device=a.device, **({"workers": a.workers} if a.workers else {}))

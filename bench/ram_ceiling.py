@@ -5,7 +5,8 @@ and how fast one thread hashes, on this machine, now. Prints one JSON object.
 
 write_gbps[N]: N threads each pwrite 8 MiB pieces (of one random buffer) into their own fresh file,
 total --gb decimal GB, files deleted after each N (tmpfs: every byte is a page allocated, zeroed and
-copied into, as the conversion's output is). hash_gbps: one thread, 256 MiB in memory, 8 MiB updates.
+copied into, as the conversion's output is). hash_gbps: one thread, 256 MiB in memory, 8 MiB updates. shared_write_gbps: --shared THREADS:FILES, threads
+sharing each file (a conversion's 16 workers write 8 mp files), by pwrite and through mappings.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import threading
@@ -46,6 +48,45 @@ def write_rate(directory: Path, total: int, threads: int) -> float:
     return per * threads * PIECE / seconds / 1e9
 
 
+def shared_write_rate(directory: Path, total: int, threads: int, files: int, via: str) -> float:
+    """`threads` threads write 8 MiB pieces into `files` files of the final size (ftruncate first, as
+    the conversion's staging does), the pieces of each file interleaved between its threads: with
+    `via` "pwrite" every write takes the file's inode lock (tmpfs serialises writers to one file); with
+    "mmap" each thread copies into its own mapping of the file's region and page faults allocate."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = memoryview(os.urandom(PIECE))
+    per_file = total // files // (PIECE * (threads // files)) * PIECE * (threads // files)
+    fds = []
+    for i in range(files):
+        fd = os.open(directory / f"s{i}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(fd, per_file)
+        fds.append(fd)
+    sharers = threads // files
+
+    def worker(t: int) -> None:
+        fd, slot = fds[t % files], t // files
+        offsets = range(slot * PIECE, per_file, sharers * PIECE)
+        if via == "pwrite":
+            for off in offsets:
+                os.pwrite(fd, data, off)
+            return
+        for off in offsets:
+            with mmap.mmap(fd, PIECE, offset=off) as m:
+                m[:] = data
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    seconds = time.perf_counter() - t0
+    for fd in fds:
+        os.close(fd)
+    shutil.rmtree(directory)
+    return per_file * files / seconds / 1e9
+
+
 def hash_rates() -> dict[str, float]:
     buf = memoryview(os.urandom(256 << 20))
     makers = {"sha256": hashlib.sha256}
@@ -73,9 +114,14 @@ def main() -> None:
     p.add_argument("--dir", type=Path, required=True, help="scratch directory on tmpfs (deleted after)")
     p.add_argument("--gb", type=float, default=8, help="decimal GB written per thread count")
     p.add_argument("--threads", default="1,4,16")
+    p.add_argument("--shared", default="16:8,16:16", type=lambda v: [tuple(map(int, x.split(":"))) for x in v.split(",")],
+                   help="THREADS:FILES pairs: threads sharing files, written with pwrite and through mappings")
     a = p.parse_args()
     writes = {int(n): round(write_rate(a.dir, int(a.gb * 1e9), int(n)), 2) for n in a.threads.split(",")}
-    print(json.dumps({"write_gbps": writes, "hash_gbps_one_thread": hash_rates(), "cores": os.cpu_count()}))
+    shared = {f"{n} threads, {f} files, {via}": round(shared_write_rate(a.dir, int(a.gb * 1e9), n, f, via), 2)
+              for n, f in a.shared for via in ("pwrite", "mmap")}
+    print(json.dumps({"write_gbps": writes, "shared_write_gbps": shared, "hash_gbps_one_thread": hash_rates(),
+                      "cores": os.cpu_count()}))
 
 
 if __name__ == "__main__":
