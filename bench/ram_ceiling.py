@@ -24,6 +24,17 @@ from pathlib import Path
 PIECE = 8 << 20
 
 
+def timed_threads(worker, threads: int) -> float:
+    """Seconds for `threads` threads running worker(i) to finish."""
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def write_rate(directory: Path, total: int, threads: int) -> float:
     directory.mkdir(parents=True, exist_ok=True)
     data = memoryview(os.urandom(PIECE))
@@ -37,13 +48,7 @@ def write_rate(directory: Path, total: int, threads: int) -> float:
         finally:
             os.close(fd)
 
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    seconds = time.perf_counter() - t0
+    seconds = timed_threads(worker, threads)
     shutil.rmtree(directory)
     return per * threads * PIECE / seconds / 1e9
 
@@ -74,13 +79,7 @@ def shared_write_rate(directory: Path, total: int, threads: int, files: int, via
             with mmap.mmap(fd, PIECE, offset=off) as m:
                 m[:] = data
 
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    seconds = time.perf_counter() - t0
+    seconds = timed_threads(worker, threads)
     for fd in fds:
         os.close(fd)
     shutil.rmtree(directory)
