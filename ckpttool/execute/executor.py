@@ -19,7 +19,7 @@ from ckpttool.execute.cuda import CudaTransforms
 from ckpttool.execute.device import resolve_device
 from ckpttool.execute.staging import Staging
 from ckpttool.execute.gather import GatherTask
-from ckpttool.execute.tasks import Task, make_tasks, run_order, warm_cpu_kernels
+from ckpttool.execute.tasks import Task, make_tasks, run_order
 from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS
 from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.plan.types import Plan
@@ -94,10 +94,6 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
     if gpu is not None and wait_for_cuda:
         gpu.wait()
     run_order(tasks, inputs)
-    warm = None  # the CPU kernels' first call (numba's import and load) overlaps the copies that come first
-    if used and not (gpu is not None and wait_for_cuda):
-        warm = threading.Thread(target=warm_cpu_kernels, args=(tasks,), name="ckpttool-warm", daemon=True)
-        warm.start()
     budget = MemoryBudget(max_memory)
     pending: list[tuple[str, str]] = []
     pending_bytes = 0
@@ -177,8 +173,6 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
                 fut.cancel()
             raise
         finally:
-            if warm is not None:
-                warm.join()
             if torch_threads is not None:
                 torch_threads()
             # whatever finished cleanly is durable and journalled, so --resume skips it

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ckpttool import defaults
-from ckpttool.dtypes import CARRIERS, itemsize
+from ckpttool.dtypes import itemsize
 from ckpttool.errors import InputError
 from ckpttool.execute.cuda import CudaTransforms
 from ckpttool.execute.gather import GatherTask
@@ -127,32 +127,6 @@ def run_order(tasks: list, inputs: ShardFiles) -> list:
     by_write = inputs.local and in_memory_fs(inputs.root)
     tasks.sort(key=(lambda t: t.write_order) if by_write else (lambda t: t.read_order))
     return tasks
-
-
-def warm_cpu_kernels(tasks: list) -> None:
-    """Run each CPU kernel the tasks need once, on its smallest input: zero codes (valid in every format)
-    and unit scales. A numba kernel's first call imports numba and loads its compiled code (0.6 s on
-    the 2-core box); called on a thread of its own when a run starts, that load overlaps the copies
-    that come first instead of holding every worker at their first dequant. The real call reports any
-    error, so one here is ignored."""
-    seen = set()
-    for t in tasks:
-        if not isinstance(t, Task) or t.transform not in BY_NAME or not t.info.shape or t.scale_info is None:
-            continue
-        key = (t.transform, t.info.dtype, t.scale_info.dtype, t.out_dtype, len(t.info.shape), len(t.scale_info.shape))
-        if key in seen:
-            continue
-        seen.add(key)
-        fmt = BY_NAME[t.transform]
-        fmt = fmt.bind(1.0) if fmt.global_leaf else fmt
-        rows = min(fmt.row_align, t.rows)
-        s0, s1 = fmt.scale_rows(0, rows)
-        x = np.zeros((rows, *t.info.shape[1:]), CARRIERS[t.info.dtype])
-        scale = np.ones((s1 - s0, *t.scale_info.shape[1:]), CARRIERS[t.scale_info.dtype])
-        try:
-            fmt.cpu(x, scale, t.info.dtype, t.out_dtype)
-        except Exception:  # noqa: BLE001 - a warm-up only; the task's own call names the problem
-            pass
 
 
 def make_tasks(plan: Plan, inputs: ShardFiles, done: set[tuple[str, str]], published: set[str],
