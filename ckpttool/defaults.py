@@ -35,13 +35,14 @@ def cores() -> int:
 
 
 def workers() -> int:
-    """Three workers per four usable cores (one per core below 4), up to 16: each runs its transforms
-    on one core, and the rest keep the manifest's hash (a thread per output file) level with the
-    writes. With a worker on every core of the 16-core device the hashes fell behind, re-read what
-    they missed from the page cache and held the end of the run; 12 workers were 0.80-0.95x the wall
-    time of 16 (bench/RESULTS.md)."""
+    """One worker per usable core up to 12; beyond that, every core but 4; at most 16. Each worker runs
+    its transforms on one core. With a worker on every core of the 16-core device the manifest's hashes
+    (a thread per output file) fell behind, re-read what they missed from the page cache and held the
+    end of the run: 12 workers took 0.80-0.95x the wall time of 16 there. On 4 and 8 of its cores, one
+    worker fewer per four cores was 15-21% slower, so small machines keep a worker per core
+    (bench/RESULTS.md)."""
     n = cores()
-    return max(1, min(MAX_WORKERS, n - n // 4))
+    return max(1, min(MAX_WORKERS, max(min(n, 12), n - 4)))
 
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,

@@ -114,7 +114,7 @@ STAGE_KINDS = tuple(Stage.model_fields)
 
 class Execution(_Strict):
     max_memory: str = defaults.MAX_MEMORY
-    workers: Optional[int] = Field(None, ge=1, le=256)  # None: defaults.workers(), three per four cores, at most 16
+    workers: Optional[int] = Field(None, ge=1, le=256)  # None: defaults.workers(): a core each up to 12, then all but 4, at most 16
     device: Literal["auto", "cpu", "cuda"] = defaults.DEVICE
 
     @field_validator("max_memory")

@@ -34,7 +34,8 @@ MaxMemory = Annotated[Optional[str], typer.Option(
     "--max-memory", help=f"Memory budget for tensors in flight, e.g. 8GiB (default {defaults.MAX_MEMORY}).")]
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", min=1,
-    help=f"Parallel tensor workers (default: three per four cores this process may use, at most {defaults.MAX_WORKERS}).")]
+    help=f"Parallel tensor workers (default: one per core this process may use up to 12, then all cores but 4, "
+         f"at most {defaults.MAX_WORKERS}).")]
 MaxInputFiles = Annotated[Optional[int], typer.Option(
     "--max-input-files", min=1, help="Input from a hub repo id: files on disk at once, each deleted once converted "
                                      f"(default {defaults.MAX_INPUT_FILES}; raised where the plan needs more at once).")]
