@@ -1,10 +1,10 @@
 """Where the manifest's hashing stands during a conversion (issue 17: the wait for hashes at the end).
 
 Runs `convert SRC DST --mp N` in this process and samples every output file's hasher every --every
-seconds: bytes whose final contents are written from offset 0 on (the frontier) and bytes hashed, both
-summed over the files, and per file ([written, frontier, hashed] MB). A frontier far ahead of the hash means hashing lacks CPU; a frontier far behind
-the bytes written means pieces land out of order and the hash has to wait for them. Prints one JSON
-object: the samples, and the run's --json timing.
+seconds: bytes written, bytes whose final contents are written from offset 0 on (the frontier) and bytes
+hashed, summed over the files and per file ([written, frontier, hashed] MB). A frontier far ahead of the
+hash means hashing lacks CPU; a frontier far behind the bytes written means pieces land out of order and
+the hash has to wait for them. Prints one JSON object: the samples, and the run's --json timing.
 
     python bench/hash_lag.py SRC DST [--mp 8] [--device cpu] [--workers N]
 """

@@ -414,7 +414,7 @@ def test_auto_uses_the_gpu_only_for_a_big_job_on_few_cores(monkeypatch):
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
 def test_workers_count_the_cores_a_job_is_given_not_the_machines():
     """A job pinned to one core (taskset, a cpuset, a batch scheduler) starts one worker. (`auto`
-    judges by the same count: test_auto_is_the_cpu_on_many_cores_or_without_a_gpu.)"""
+    judges by the same count: test_auto_uses_the_gpu_only_for_a_big_job_on_few_cores.)"""
     import subprocess
     import sys
 

@@ -103,9 +103,7 @@ class Task:
         quantize transform, a scalar)."""
         if self.transform in QUANTIZE_TRANSFORMS or not self.info.shape:
             return [None]
-        lo, hi = _needed_rows(self, self.rows)
-        align = BY_NAME[self.transform].row_align if self.transform else 1
-        lo = lo // align * align
+        lo, hi = _needed_rows(self)
         step = self.chunk_rows(chunk_bytes)
         return [(r, min(r + step, hi)) for r in range(lo, hi, step)] or [None]
 
@@ -171,13 +169,16 @@ def scratch(slot: str, nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
-def _needed_rows(task: Task, n_rows: int) -> tuple[int, int]:
+def _needed_rows(task: Task) -> tuple[int, int]:
+    """The dim-0 rows [lo, hi) some remaining piece needs, lo aligned down to the format's row blocks."""
+    n_rows = task.rows
     lo, hi = n_rows, 0
     for _, p in task.pieces:
         nar = p.tensor.narrow
         a, b = (nar[1], nar[1] + nar[2]) if nar is not None and nar[0] == 0 else (0, n_rows)
         lo, hi = min(lo, a), max(hi, b)
-    return lo, hi
+    fmt = BY_NAME.get(task.transform) if task.transform else None
+    return (lo // fmt.row_align * fmt.row_align if fmt else lo), hi
 
 
 def _check_scale_values(inputs: ShardFiles, task: Task, scale: np.ndarray) -> None:
@@ -222,14 +223,10 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
     if task.transform is None and info.shape and _copy_pieces(task, inputs, staging, rows):
         return list(task.pieces)
     n_rows = task.rows
-    lo, hi = _needed_rows(task, n_rows)
+    lo, hi = rows if rows is not None else _needed_rows(task)
     fmt = BY_NAME[task.transform] if task.transform else None
-    if fmt is not None:
-        lo = lo // fmt.row_align * fmt.row_align
-        if fmt.global_leaf:
-            fmt = fmt.bind(_global_scale(inputs, task, fmt))
-    if rows is not None:
-        lo, hi = max(lo, rows[0]), min(hi, rows[1])
+    if fmt is not None and fmt.global_leaf:
+        fmt = fmt.bind(_global_scale(inputs, task, fmt))
     scale_full = None
     if task.scale is not None and fmt is not None and fmt.scale_whole:
         scale_info = task.scale_info
