@@ -195,6 +195,31 @@ def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype
                 fp8_cpu.dequant(bad, scale.numpy(), fmt, dtype_code(out))
 
 
+@pytest.mark.parametrize("numba", ["1", "0"])
+def test_a_nan_code_is_found_in_its_row_wherever_it_lies(monkeypatch, numba):
+    """The compiled test reads codes eight at a time from the first 8-byte boundary and the bytes before
+    and after it apart: a NaN code at any offset of an unaligned, odd-sized block of codes is refused
+    in its row, in both formats and signs, and a block without one passes (every other code)."""
+    import numpy as np
+
+    monkeypatch.setenv("CKPTTOOL_NUMBA", numba)
+    from ckpttool.kernels import fp8_cpu
+
+    for fmt, nans in (("F8_E4M3", (0x7F, 0xFF)), ("F8_E5M2", (0x7D, 0x7E, 0xFF))):
+        ok = np.array([c for c in range(256) if (c & 0x7F) <= fp8_cpu.NAN_ABOVE[fmt]], dtype=np.uint8)
+        backing = np.resize(ok, 3 + 5 * 7)
+        codes = backing[3:].reshape(5, 7)  # 3 bytes past an 8-byte boundary: a head, one word, a tail
+        scale = np.ones((1, 1), dtype=np.float32)
+        fp8_cpu.dequant(codes, scale, fmt, "BF16")
+        for at in range(codes.size):
+            bad = codes.copy() if at % 2 else codes
+            saved = bad.flat[at]
+            bad.flat[at] = nans[at % len(nans)]
+            with pytest.raises(fp8_cpu.NaNCodes, match=rf"first in row {at // 7}\)"):
+                fp8_cpu.dequant(bad, scale, fmt, "BF16")
+            bad.flat[at] = saved
+
+
 def test_nan_codes_are_refused_naming_file_and_tensor(tiny_v3_no_mtp, tmp_path):
     import shutil
 
