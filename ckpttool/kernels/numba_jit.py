@@ -6,6 +6,7 @@ CKPTTOOL_NUMBA=0, each kernel's getter returns None and its caller runs numpy in
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Callable, TypeVar
 
@@ -29,9 +30,29 @@ def compiled_on_first_use(build: Callable[..., K]) -> Callable[[], K | None]:
                 except ImportError:
                     built.append(None)
                 else:
+                    _registries_without_scipy_blas()
                     built.append(build(numba))
             return built[0]
 
     get.__doc__ = build.__doc__
     get.__name__ = build.__name__
     return get
+
+
+def _registries_without_scipy_blas() -> None:
+    """Import numba's array implementations with scipy.linalg's BLAS hidden. Loading the first cached
+    kernel imports them (numba.np.arraymath), and they import scipy.linalg only to learn whether BLAS is
+    there for np.dot and its kin, which no kernel of ours uses: on the H100 machine that import was
+    0.6 s of every conversion's start, while every worker waited for the kernel. Without it numba uses
+    its own loops for those functions in this process; scipy itself imports as before once we are done.
+    bench/RESULTS.md: 0.87x and 0.95x the wall time of the same tree with it, 16 cores."""
+    if "scipy.linalg.cython_blas" in sys.modules:
+        return
+    sys.modules["scipy.linalg.cython_blas"] = None
+    try:
+        import numba.np.arraymath  # noqa: F401
+    except ImportError:  # a numba that insists on it: imported with scipy when the first kernel loads
+        pass
+    finally:
+        if sys.modules.get("scipy.linalg.cython_blas", 0) is None:
+            del sys.modules["scipy.linalg.cython_blas"]
