@@ -6,7 +6,7 @@ and how fast one thread hashes, on this machine, now. Prints one JSON object.
 write_gbps[N]: N threads each pwrite 8 MiB pieces (of one random buffer) into their own fresh file,
 total --gb decimal GB, files deleted after each N (tmpfs: every byte is a page allocated, zeroed and
 copied into, as the conversion's output is). hash_gbps: one thread, 256 MiB in memory, 8 MiB updates. shared_write_gbps: --shared THREADS:FILES, threads
-sharing each file (a conversion's 16 workers write 8 mp files), by pwrite and through mappings.
+sharing each file (a conversion's 16 workers write 8 mp files), by each of --via (shared_write_rate says how).
 """
 
 from __future__ import annotations
@@ -53,13 +53,34 @@ def write_rate(directory: Path, total: int, threads: int) -> float:
     return per * threads * PIECE / seconds / 1e9
 
 
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault a range in, writable, in one call (an error, not SIGBUS, on failure)
+VIAS = ("pwrite", "mmap", "fallocate+pwrite", "mapped", "mapped+populate", "fallocate+mapped")
+
+
+def _libc():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)  # ctypes calls release the GIL
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
+
+
 def shared_write_rate(directory: Path, total: int, threads: int, files: int, via: str) -> float:
     """`threads` threads write 8 MiB pieces into `files` files of the final size (ftruncate first, as
-    the conversion's staging does), the pieces of each file interleaved between its threads: with
-    `via` "pwrite" every write takes the file's inode lock (tmpfs serialises writers to one file); with
-    "mmap" each thread copies into its own mapping of the file's region and page faults allocate."""
+    the conversion's staging does), the pieces of each file interleaved between its threads, by `via`:
+    - "pwrite": every write takes the file's inode lock (tmpfs serialises writers to one file), and
+      allocates and zeroes its pages under it;
+    - "mmap": each thread maps each piece's region, copies, unmaps (a fault per page, and a TLB
+      shootdown per unmap);
+    - "fallocate+pwrite": each file's pages allocated first (one thread per file, inside the time),
+      then pwrite, which then only copies under the lock;
+    - "mapped": one shared mapping per file for the whole run, numpy copies into it (a fault per page);
+    - "mapped+populate": the same, each piece's range faulted in by one madvise first;
+    - "fallocate+mapped": pages allocated first, then copies into the mappings."""
+    import numpy as np
+
     directory.mkdir(parents=True, exist_ok=True)
-    data = memoryview(os.urandom(PIECE))
+    data = np.frombuffer(os.urandom(PIECE), dtype=np.uint8)
     per_file = total // files // (PIECE * (threads // files)) * PIECE * (threads // files)
     fds = []
     for i in range(files):
@@ -67,19 +88,42 @@ def shared_write_rate(directory: Path, total: int, threads: int, files: int, via
         os.ftruncate(fd, per_file)
         fds.append(fd)
     sharers = threads // files
+    maps = [mmap.mmap(fd, per_file) for fd in fds] if via.endswith(("mapped", "populate")) else []
+    views = [np.frombuffer(m, dtype=np.uint8) for m in maps]
+    libc = _libc() if via == "mapped+populate" else None
 
     def worker(t: int) -> None:
         fd, slot = fds[t % files], t // files
         offsets = range(slot * PIECE, per_file, sharers * PIECE)
-        if via == "pwrite":
+        if via.endswith("pwrite"):
             for off in offsets:
                 os.pwrite(fd, data, off)
-            return
-        for off in offsets:
-            with mmap.mmap(fd, PIECE, offset=off) as m:
-                m[:] = data
+        elif via == "mmap":
+            for off in offsets:
+                with mmap.mmap(fd, PIECE, offset=off) as m:
+                    m[:] = data
+        else:
+            view = views[t % files]
+            for off in offsets:
+                if libc is not None:
+                    import ctypes
 
-    seconds = timed_threads(worker, threads)
+                    addr = view[off:].ctypes.data
+                    if libc.madvise(ctypes.c_void_p(addr), PIECE, MADV_POPULATE_WRITE):
+                        raise OSError(ctypes.get_errno(), "madvise")
+                view[off:off + PIECE] = data
+
+    def allocate(i: int) -> None:
+        os.posix_fallocate(fds[i], 0, per_file)
+
+    t0 = time.perf_counter()
+    if via.startswith("fallocate"):
+        timed_threads(allocate, files)
+    timed_threads(worker, threads)
+    seconds = time.perf_counter() - t0
+    views.clear()  # release the mappings before closing them
+    for m in maps:
+        m.close()
     for fd in fds:
         os.close(fd)
     shutil.rmtree(directory)
@@ -115,10 +159,11 @@ def main() -> None:
     p.add_argument("--threads", default="1,4,16")
     p.add_argument("--shared", default="16:8,16:16", type=lambda v: [tuple(map(int, x.split(":"))) for x in v.split(",")],
                    help="THREADS:FILES pairs: threads sharing files, written with pwrite and through mappings")
+    p.add_argument("--via", default="pwrite,mmap", help=f"how the shared files are written: of {','.join(VIAS)}")
     a = p.parse_args()
     writes = {int(n): round(write_rate(a.dir, int(a.gb * 1e9), int(n)), 2) for n in a.threads.split(",")}
     shared = {f"{n} threads, {f} files, {via}": round(shared_write_rate(a.dir, int(a.gb * 1e9), n, f, via), 2)
-              for n, f in a.shared for via in ("pwrite", "mmap")}
+              for n, f in a.shared for via in a.via.split(",")}
     print(json.dumps({"write_gbps": writes, "shared_write_gbps": shared, "hash_gbps_one_thread": hash_rates(),
                       "cores": os.cpu_count()}))
 
