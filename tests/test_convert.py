@@ -218,6 +218,11 @@ def test_a_nan_code_is_found_in_its_row_wherever_it_lies(monkeypatch, numba):
             with pytest.raises(fp8_cpu.NaNCodes, match=rf"first in row {at // 7}\)"):
                 fp8_cpu.dequant(bad, scale, fmt, "BF16")
             bad.flat[at] = saved
+    inf_scale = np.array([[np.inf]], dtype=np.float32)  # not from a checkpoint (the executor refuses it), but
+    zero = np.zeros((2, 3), dtype=np.uint8)             # no caller of the kernel gets a NaN from it unnamed
+    zero[0] = 0x38  # 1.0: times inf is inf, not NaN
+    with pytest.raises(fp8_cpu.NaNCodes, match=r"first in row 1\)"):
+        fp8_cpu.dequant(zero, inf_scale, "F8_E4M3", "BF16")
 
 
 def test_nan_codes_are_refused_naming_file_and_tensor(tiny_v3_no_mtp, tmp_path):

@@ -92,7 +92,7 @@ def value_tables(values: np.ndarray, scale: np.ndarray, out_dtype: str) -> np.nd
         out = np.empty((flat.shape[0], len(values)), dtype=np.uint16)
         compiled(np.ascontiguousarray(values, dtype=np.float32), flat, np.empty(len(values), dtype=np.float32), out)
         return out.reshape(*scale.shape, len(values))
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # a NaN product is found in the output
         prod = np.multiply(values, scale.astype(np.float32, copy=False)[..., None], dtype=np.float32)
     if out_dtype == "BF16":
         out = np.empty(prod.shape, dtype=np.uint16)
@@ -139,6 +139,8 @@ def dequant(codes: np.ndarray, scale: np.ndarray, fmt: str, out_dtype: str, *, b
         bad = fp8_gather.nan_row(codes, NAN_ABOVE[fmt])
         if bad < 0:
             gather(codes, tables.reshape(tables.shape[0], -1), bits, block.bit_length() - 1)
+            if not np.isfinite(scale).all():  # an infinite scale times a zero code is NaN too
+                bad = fp8_gather.first_nan_row(bits, mask, inf, np.empty_like(bits))
     else:
         bad = fp8_gather.gather_numpy(codes, tables, bits, block, mask, inf)
     if bad >= 0:
