@@ -165,6 +165,20 @@ def test_nan_scales_are_refused_naming_the_row(kernel, cpu_path):
     assert e.value.row == 2
 
 
+def test_nan_codes_under_finite_scales_are_refused_naming_the_row(cpu_path):
+    """FP8 per channel with finite scales tests the codes before a plain gather (numba) or the output's
+    bits (numpy): either way a NaN code is refused in its row, and one scale for the tensor as well."""
+    for scale_rows in (5, 1):
+        codes = torch.full((5, 67), 0x38, dtype=torch.uint8)
+        scale = np_bits(torch.full((scale_rows, 1) if scale_rows > 1 else (1,), 0.5, dtype=torch.bfloat16))
+        scaled_cpu.dequant_fp8_rows(codes.numpy(), scale, "F8_E4M3", "BF16", "BF16")
+        codes[3, 66] = 0x7F
+        codes[4, 0] = 0xFF
+        with pytest.raises(NaNCodes) as e:
+            scaled_cpu.dequant_fp8_rows(codes.numpy(), scale, "F8_E4M3", "BF16", "BF16")
+        assert e.value.row == 3
+
+
 # -- checkpoints made by the libraries --------------------------------------------------------------
 @pytest.fixture(scope="session")
 def bases(tmp_path_factory) -> dict[str, Path]:

@@ -25,8 +25,8 @@ import numpy as np
 
 from ckpttool.dtypes import CARRIERS
 from ckpttool.kernels import scaled_numba
-from ckpttool.kernels.fp8_gather import first_nan_row
-from ckpttool.kernels.fp8_cpu import INF_BITS, NaNCodes, code_tables, round_to_bf16, value_tables
+from ckpttool.kernels.fp8_gather import first_nan_row, nan_row
+from ckpttool.kernels.fp8_cpu import INF_BITS, NAN_ABOVE, NaNCodes, code_tables, round_to_bf16, value_tables
 from ckpttool.kernels.mxfp4_cpu import gather_words, pair_words
 
 _STEP_ELEMENTS = 1 << 20  # output elements per step: temporaries of 4 MiB, in L2 (as kernels/fp8_cpu.py)
@@ -138,13 +138,21 @@ def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype
     the rounding), then each row gathered by code from its scale's table, by numba's loop or by numpy."""
     rows, cols = codes.shape
     values, which = distinct(scale.reshape(-1))
-    tables = code_tables(scale_f32(values, scale_dtype).reshape(-1, 1), fmt, out).reshape(-1, 256)
+    distinct_f32 = scale_f32(values, scale_dtype)
+    tables = code_tables(distinct_f32.reshape(-1, 1), fmt, out).reshape(-1, 256)
     which = np.broadcast_to(which, (rows,)) if which.shape[0] != rows else which
     result = np.empty((rows, cols), dtype=CARRIERS[out])
     if rows and cols:
         compiled = scaled_numba.kernels()
-        gather = compiled[0] if compiled is not None else fp8_rows_numpy
-        bad = gather(codes, tables, np.ascontiguousarray(which), result.view(tables.dtype), *INF_BITS[out])
+        which = np.ascontiguousarray(which)
+        if compiled is not None and np.isfinite(distinct_f32).all():
+            # finite scales: an output is NaN exactly where its code is, so the codes are tested first
+            bad = nan_row(codes, NAN_ABOVE[fmt])
+            if bad < 0:
+                compiled[3](codes, tables, which, result.view(tables.dtype))
+        else:
+            gather = compiled[0] if compiled is not None else fp8_rows_numpy
+            bad = gather(codes, tables, which, result.view(tables.dtype), *INF_BITS[out])
         if bad >= 0:
             raise NaNCodes(int(bad))
     return result

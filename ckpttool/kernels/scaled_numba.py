@@ -20,7 +20,7 @@ from ckpttool.kernels.numba_jit import compiled_on_first_use
 
 @compiled_on_first_use
 def kernels(numba):
-    """(fp8_rows, int4_bf16, nvfp4) compiled, or None (numba missing or CKPTTOOL_NUMBA=0)."""
+    """(fp8_rows, int4_bf16, nvfp4, fp8_rows_plain) compiled, or None (numba missing or CKPTTOOL_NUMBA=0)."""
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def fp8_rows(codes, tables, which, out, mask, inf):  # pragma: no cover - compiled
@@ -38,6 +38,18 @@ def kernels(numba):
             if worst > inf:
                 return i
         return -1
+
+    @numba.njit(nogil=True, cache=True, boundscheck=False)
+    def fp8_rows_plain(codes, tables, which, out):  # pragma: no cover - compiled
+        """fp8_rows where the caller has ruled NaN out (finite scales, no NaN code: fp8_gather.nan_row):
+        a plain gather, about twice as fast (kernels/fp8_gather.py says why)."""
+        rows, cols = codes.shape
+        for i in range(rows):
+            t = tables[which[i]]
+            c = codes[i]
+            o = out[i]
+            for j in range(cols):
+                o[j] = t[c[j]]
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def int4_bf16(packed, scale, group, out):  # pragma: no cover - compiled
@@ -86,4 +98,4 @@ def kernels(numba):
                 o[k] = table[(np.int32(c[k >> 3]) << 8) | np.int32(p[k])]
         return -1
 
-    return fp8_rows, int4_bf16, nvfp4
+    return fp8_rows, int4_bf16, nvfp4, fp8_rows_plain
