@@ -4,11 +4,12 @@ as kernels/fp8_gather.py does for FP8 blocks, and for the same reason: one pass 
 the GIL instead of several numpy passes. None where numba is missing or CKPTTOOL_NUMBA=0.
 
 - fp8 rows: a 256-entry table of rounded products per distinct scale, then each row's gather from its
-  scale's table;
+  scale's table (fp8_rows_plain, with no NaN test, where every scale is finite and the caller has tested
+  the codes: kernels/scaled_cpu.dequant_fp8_rows);
 - int4: per row, each group's 16 products q * scale rounded once (bf16: integer rounding of the fp32
   bits), then each int32 word's 8 nibbles gathered from its group's 16 (groups are whole words);
 - nvfp4: a gather of two-value words from the tensor's pair table.
-Each returns the first row whose output holds a NaN (bits above +-inf), or -1.
+The others return the first row whose output holds a NaN (bits above +-inf), or -1.
 """
 
 from __future__ import annotations
