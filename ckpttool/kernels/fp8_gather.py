@@ -4,8 +4,9 @@ Two implementations of the same function, the same bits: a numba kernel (one com
 run without the GIL; compiled on first use, about 0.6 s on the 2-core box, then cached on disk), and
 numpy (`np.take` over int64 indices built in one pass, ~3x slower) where numba does not import or
 `CKPTTOOL_NUMBA=0` asks for it. NaN codes are refused: the numba path tests the codes before the
-gather (`nan_row`), the numpy path the output's bits (a NaN output comes only from a NaN code, as
-scales are checked finite). tests/test_convert.py runs both against torch.
+gather (`nan_row`: with finite scales a NaN output comes only from a NaN code, and fp8_cpu.dequant
+tests the output where a scale is not), the numpy path the output's bits. tests/test_convert.py runs
+both against torch.
 """
 
 from __future__ import annotations

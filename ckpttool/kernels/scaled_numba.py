@@ -43,7 +43,8 @@ def kernels(numba):
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def fp8_rows_plain(codes, tables, which, out):  # pragma: no cover - compiled
         """fp8_rows where the caller has ruled NaN out (finite scales, no NaN code: fp8_gather.nan_row):
-        a plain gather, about twice as fast (kernels/fp8_gather.py says why)."""
+        a plain gather, as kernels/fp8_gather.py does for blocks (FP8 per channel on one core of the H100
+        machine: 3.52 GB/s of BF16 with it, 2.09-2.46 the session before; 1.06x on the 2-core box)."""
         rows, cols = codes.shape
         for i in range(rows):
             t = tables[which[i]]
