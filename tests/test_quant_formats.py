@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -163,6 +164,21 @@ def test_nan_scales_are_refused_naming_the_row(kernel, cpu_path):
             codes[2, 1] = 0xFF
             BY_NAME["ct_nvfp4"].cpu(torch.zeros(4, 16, dtype=torch.uint8).numpy(), codes.numpy(), "U8", "BF16")
     assert e.value.row == 2
+
+
+def test_distinct_scales_are_the_same_compiled_or_not(monkeypatch):
+    """scaled_cpu.distinct, compiled for 16-bit scales (numba) and in numpy: the same values in the same
+    order and the same index per element, every bit pattern included (NaNs, infinities, both zeros)."""
+    gen = np.random.default_rng(3)
+    bits = np.concatenate([gen.integers(0, 1 << 16, 5000), np.arange(1 << 16)[::7]]).astype(np.uint16)
+    scale = gen.permutation(bits).reshape(-1, 1).view(np.dtype("<u2"))
+    results = []
+    for numba in ("1", "0"):
+        monkeypatch.setenv("CKPTTOOL_NUMBA", numba)
+        values, which = scaled_cpu.distinct(scale)
+        assert np.array_equal(values[which].view(np.uint16), scale.view(np.uint16))
+        results.append((values.view(np.uint16), which))
+    assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
 
 
 def test_nan_codes_under_finite_scales_are_refused_naming_the_row(cpu_path):

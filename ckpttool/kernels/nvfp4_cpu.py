@@ -73,7 +73,7 @@ def dequant(packed: np.ndarray, scales: np.ndarray, variant: str, global_scale: 
     compiled = scaled_numba.kernels()
     if compiled is not None and rows and width:
         words = np.empty((rows, width), dtype=pairs.dtype)
-        compiled[2](packed, scales.reshape(rows, groups), pairs, words)
+        compiled.nvfp4(packed, scales.reshape(rows, groups), pairs, words)
     else:
         words = gather_words(pairs, packed.reshape(rows, groups, BYTES_PER_GROUP), scales.reshape(rows, groups))
     return words.view(CARRIERS[out]).reshape(rows, width * 2)

@@ -7,21 +7,35 @@ the GIL instead of several numpy passes. None where numba is missing or CKPTTOOL
   scale's table (fp8_rows_plain, with no NaN test, where every scale is finite and the caller has tested
   the codes: kernels/scaled_cpu.dequant_fp8_rows);
 - int4: per row, each group's 16 products q * scale rounded once (bf16: integer rounding of the fp32
-  bits), then each int32 word's 8 nibbles gathered from its group's 16 (groups are whole words);
+  bits), then each int32 word's 8 nibbles gathered from its group's 16 (groups are whole words); or,
+  where the scales are finite and few distinct, a 256-entry table of value pairs per distinct scale
+  and one lookup per byte (int4_bf16_pairs, int4_by_pairs: kernels/scaled_cpu.dequant_int4);
 - nvfp4: a gather of two-value words from the tensor's pair table.
 The others return the first row whose output holds a NaN (bits above +-inf), or -1.
 """
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import numpy as np
 
 from ckpttool.kernels.numba_jit import compiled_on_first_use
 
 
+class Kernels(NamedTuple):
+    fp8_rows: Callable
+    int4_bf16: Callable
+    nvfp4: Callable
+    fp8_rows_plain: Callable
+    int4_bf16_pairs: Callable
+    int4_by_pairs: Callable
+    distinct16: Callable
+
+
 @compiled_on_first_use
 def kernels(numba):
-    """(fp8_rows, int4_bf16, nvfp4, fp8_rows_plain) compiled, or None (numba missing or CKPTTOOL_NUMBA=0)."""
+    """The Kernels compiled, or None (numba missing or CKPTTOOL_NUMBA=0)."""
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def fp8_rows(codes, tables, which, out, mask, inf):  # pragma: no cover - compiled
@@ -90,6 +104,56 @@ def kernels(numba):
         return -1
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
+    def int4_bf16_pairs(scales, out):  # pragma: no cover - compiled
+        """Finite fp32 scales [D] -> out [D * 256] uint32: entry (d << 8 | byte) holds the byte's two values
+        (low nibble first) times scale d in bf16, each product and rounding exactly as int4_bf16's."""
+        f = np.empty(16, dtype=np.float32)
+        u = f.view(np.uint32)
+        t = np.empty(16, dtype=np.uint32)
+        for d in range(scales.shape[0]):
+            for q in range(16):
+                f[q] = np.float32(q - 8) * scales[d]
+            for q in range(16):
+                t[q] = (u[q] + np.uint32(0x7FFF) + ((u[q] >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            base = d << 8
+            for b in range(256):
+                out[base + b] = t[b & 15] | (t[b >> 4] << np.uint32(16))
+
+    @numba.njit(nogil=True, cache=True, boundscheck=False)
+    def int4_by_pairs(nibbles, pairs, which, half_group, out):  # pragma: no cover - compiled
+        """nibbles [M, N/2] bytes, `which` [M, G]: each group's distinct scale -> out [M, N/2] uint32, one
+        lookup per byte in that scale's pair table (int4_bf16_pairs)."""
+        rows = nibbles.shape[0]
+        groups = which.shape[1]
+        for i in range(rows):
+            p = nibbles[i]
+            o = out[i]
+            w = which[i]
+            for g in range(groups):
+                tb = pairs[np.int64(w[g]) << 8:(np.int64(w[g]) << 8) + 256]
+                pb = p[g * half_group:(g + 1) * half_group]
+                ob = o[g * half_group:(g + 1) * half_group]
+                for j in range(half_group):
+                    ob[j] = tb[pb[j]]
+
+    @numba.njit(nogil=True, cache=True, boundscheck=False)
+    def distinct16(bits, values, which):  # pragma: no cover - compiled
+        """scaled_cpu.distinct for 16-bit scales in one compiled pass each way: the distinct values into
+        `values` (ascending), each element's index into them into `which`; returns how many."""
+        seen = np.zeros(1 << 16, dtype=np.int32)
+        for k in range(bits.shape[0]):
+            seen[bits[k]] = 1
+        count = 0
+        for v in range(1 << 16):
+            if seen[v]:
+                values[count] = v
+                seen[v] = count
+                count += 1
+        for k in range(bits.shape[0]):
+            which[k] = seen[bits[k]]
+        return count
+
+    @numba.njit(nogil=True, cache=True, boundscheck=False)
     def nvfp4(packed, codes, table, out):  # pragma: no cover - compiled
         rows, width = packed.shape
         for i in range(rows):
@@ -100,4 +164,4 @@ def kernels(numba):
                 o[k] = table[(np.int32(c[k >> 3]) << 8) | np.int32(p[k])]
         return -1
 
-    return fp8_rows, int4_bf16, nvfp4, fp8_rows_plain
+    return Kernels(fp8_rows, int4_bf16, nvfp4, fp8_rows_plain, int4_bf16_pairs, int4_by_pairs, distinct16)
