@@ -12,6 +12,7 @@ sharing each file (a conversion's 16 workers write 8 mp files), by each of --via
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import mmap
@@ -58,8 +59,6 @@ VIAS = ("pwrite", "mmap", "fallocate+pwrite", "mapped", "mapped+populate", "fall
 
 
 def _libc():
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)  # ctypes calls release the GIL
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return libc
@@ -106,8 +105,6 @@ def shared_write_rate(directory: Path, total: int, threads: int, files: int, via
             view = views[t % files]
             for off in offsets:
                 if libc is not None:
-                    import ctypes
-
                     addr = view[off:].ctypes.data
                     if libc.madvise(ctypes.c_void_p(addr), PIECE, MADV_POPULATE_WRITE):
                         raise OSError(ctypes.get_errno(), "madvise")

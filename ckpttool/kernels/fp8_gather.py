@@ -77,7 +77,7 @@ def nan_row(codes: np.ndarray, nan_above: int) -> int:
         words = (flat.size - head) // 8
         body = flat[head: head + 8 * words].view(np.uint64)
         rest = np.concatenate((flat[:head], flat[head + 8 * words:]))
-        if not test(body, np.uint64(add * 0x0101010101010101)) and not (((rest & 0x7F) + add) & 0x80).any():
+        if not test(body, np.uint64(add * 0x0101010101010101)) and not ((rest & 0x7F) > nan_above).any():
             return -1
     bad = ((codes & 0x7F) > nan_above).any(axis=1)
     return int(np.flatnonzero(bad)[0]) if bad.any() else -1
