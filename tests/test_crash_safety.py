@@ -61,10 +61,12 @@ def test_sigkill_then_resume_is_byte_identical(tiny_v3, tmp_path, clean_output, 
 
 def test_resume_skips_journalled_work(tiny_v3, tmp_path):
     dst = tmp_path / "out"
-    proc = run_cli_process("convert", tiny_v3, dst, *CONVERT, env={**FAULT_ENV, "CKPTTOOL_FAULT": "pwrite:121"})
+    # Killed as the fourth commit begins, so three are on disk whatever the threads' timing (a kill at
+    # the n-th write left anywhere from 8 to 76 tensors journalled).
+    proc = run_cli_process("convert", tiny_v3, dst, *CONVERT, env={**FAULT_ENV, "CKPTTOOL_FAULT": "commit:4"})
     assert proc.returncode == -signal.SIGKILL
     journalled = (dst / PARTIAL_DIR / JOURNAL).read_text().count("\n")
-    assert journalled > 20
+    assert journalled >= 3, journalled
     rep = json.loads(run_cli("convert", tiny_v3, dst, *CONVERT, "--resume", "--json").stdout)
     assert rep["resumed_tensors"] == journalled
 
