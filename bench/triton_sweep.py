@@ -26,7 +26,7 @@ from kernel_bench import time_cuda  # bench/ is the script's directory
 from quant_bench import carrier, inputs
 
 from ckpttool.formats import BY_NAME
-from ckpttool.kernels import fp8_triton, nvfp4_triton, scaled_triton
+from ckpttool.kernels import fp8_triton, nan_flag, nvfp4_triton, scaled_triton
 from ckpttool.kernels.scaled_triton import Tile
 
 SHAPES = {"large": (7168, 18432), "small": (7168, 2048)}
@@ -93,9 +93,10 @@ def main() -> int:
                 def call(x, s, cfg=cfg, wide=wide):
                     rows, cols = x.shape
                     y = torch.empty((rows, cols), dtype=out, device=x.device)
-                    bad = torch.full((1,), rows, dtype=torch.int32, device=x.device)
+                    bad = nan_flag.claim(x.device, lambda: None)
                     fp8_triton._dequant_kernel[(triton.cdiv(rows, 128), triton.cdiv(cols, 128))](
-                        x, s, y, bad, rows, cols, s.shape[1], BLOCK=128, WIDE=wide, num_warps=cfg)
+                        x, s, y, bad.flags, bad.slot, bad.tag, rows, cols, s.shape[1], BLOCK=128, WIDE=wide,
+                        num_warps=cfg)
                     return y, bad
             else:
                 set_tile(kernel, cfg)

@@ -122,17 +122,17 @@ class CudaTransforms:
             torch.from_numpy(buf).view(y.dtype).reshape(y.shape).copy_(y, non_blocking=True)
             flag = self._flag()
             if first_bad is not None:
-                flag.copy_(first_bad, non_blocking=True)  # rides on the sync below: no wait of its own
+                flag.copy_(first_bad.cell, non_blocking=True)  # rides on the sync below: no wait of its own
             stream.synchronize()  # the rows are in host memory; the caller writes them before its next chunk
-        if first_bad is not None and (row := int(flag[0])) < y.shape[0]:
+        if first_bad is not None and (row := first_bad.decode(int(flag[0]))) is not None:
             raise NaNCodes(row)  # the executor names the file, the tensor and the tensor's row
         return buf.view(CARRIERS[out_dtype]).reshape(tuple(y.shape))
 
     def _flag(self):
-        """This thread's pinned int32 for a kernel's first-bad-row flag."""
+        """This thread's pinned int64 for a kernel's first-bad-row cell (kernels/nan_flag.py)."""
         flag = getattr(self._local, "flag", None)
         if flag is None:
-            flag = self._local.flag = self.torch.empty(1, dtype=self.torch.int32, pin_memory=True)
+            flag = self._local.flag = self.torch.empty(1, dtype=self.torch.int64, pin_memory=True)
         return flag
 
     def _stream(self):

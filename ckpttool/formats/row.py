@@ -12,6 +12,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+    from ckpttool.kernels.nan_flag import FirstBad
+
 
 def with_leaf(name: str, leaf: str) -> str:
     """`a.b.weight` -> `a.b.<leaf>`: how a weight's companion tensors are named in every format."""
@@ -62,10 +64,10 @@ class QuantFormat:
     """output elements per source dim-0 row, for sizing chunks"""
     cpu: Callable[[np.ndarray, np.ndarray, str, str], np.ndarray]
     """(source rows, scale rows, source dtype code, output dtype code) -> output rows, in numpy carriers"""
-    cuda: Callable[[torch.Tensor, torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]]
-    """(source rows, scale rows, output dtype) -> (output rows, first_bad), torch tensors on a CUDA device;
-    first_bad: None, or a one-element int32 device tensor with the first row holding a NaN code (the
-    row count when there is none), read by the caller when it synchronizes anyway"""
+    cuda: Callable[[torch.Tensor, torch.Tensor, torch.dtype], tuple[torch.Tensor, FirstBad | None]]
+    """(source rows, scale rows, output dtype) -> (output rows, first_bad), the rows on a CUDA device;
+    first_bad: None, or the record of the first row holding a NaN (kernels/nan_flag.py), read by the
+    caller when it synchronizes anyway"""
     example: Callable[[torch.device], tuple[torch.Tensor, torch.Tensor]]
     """a smallest valid (source, scale) on a device: warms a kernel up before the real data arrives"""
     # tensors beside the weight other than its scale, named by leaf (`X.weight` -> `X.<leaf>`)

@@ -16,6 +16,8 @@ from ckpttool.kernels.fp8_cpu import BLOCK, OUT_DTYPES, NaNCodes, dequant as _de
 if TYPE_CHECKING:
     import torch
 
+    from ckpttool.kernels.nan_flag import FirstBad
+
 FP8_MAX = 448.0
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 
@@ -43,16 +45,16 @@ def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torc
     """Dequantize an FP8 [M, N] weight with its [ceil(M/b), ceil(N/b)] fp32 scale (to bf16 by default).
     NaN codes are an error (NaNCodes, naming the first bad row) on either device."""
     y, first_bad = dequant_fp8_block_lazy(weight, scale, out_dtype, block=block)
-    if first_bad is not None and (row := int(first_bad.item())) < weight.shape[0]:
+    if first_bad is not None and (row := first_bad.row()) is not None:
         raise NaNCodes(row)
     return y
 
 
 def dequant_fp8_block_lazy(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype | None = None,
-                           *, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`dequant_fp8_block` without waiting for the GPU: on CUDA, returns (output, first_bad), a one-element
-    int32 device tensor holding the first row with a NaN code (or M when there is none) for the caller to
-    read when it synchronizes anyway; on the CPU the check has run (first_bad is None)."""
+                           *, block: int = BLOCK) -> tuple[torch.Tensor, FirstBad | None]:
+    """`dequant_fp8_block` without waiting for the GPU: on CUDA, returns (output, first_bad), the record of
+    the first row holding a NaN code (kernels/nan_flag.py) for the caller to read when it synchronizes
+    anyway; on the CPU the check has run (first_bad is None)."""
     import torch
 
     out_dtype = out_dtype or torch.bfloat16

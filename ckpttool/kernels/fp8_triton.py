@@ -6,12 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ckpttool.kernels import nan_flag
+
 NUM_WARPS = 4
 """Warps per 128x128 tile; bench/triton_sweep.py measures others (bench/RESULTS.md)."""
 
 
-@triton.jit
-def _dequant_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_COLS, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+@triton.jit(do_not_specialize=["slot", "tag"])
+def _dequant_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, slot, tag, M, N, S_COLS, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     pid_m = tl.program_id(axis=0)
     pid_n = tl.program_id(axis=1)
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
@@ -24,23 +26,30 @@ def _dequant_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_COLS, BLOCK: tl.conste
     x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
     s = tl.load(s_ptr + pid_m * S_COLS + pid_n)
     # NaN codes refused in this pass, not a second one: the first bad row, kept by an atomic that only
-    # the lanes holding a NaN issue (predicated off elsewhere: no reduction over the tile)
-    rows = offs_m[:, None] + tl.zeros([BLOCK, BLOCK], dtype=tl.int32)
-    tl.atomic_min(bad_ptr + tl.zeros([BLOCK, BLOCK], dtype=tl.int32), rows, mask=(x != x) & mask)
+    # the lanes holding a NaN issue (predicated off elsewhere: no reduction over the tile), into this
+    # call's cell (kernels/nan_flag.py: no fill launched before)
+    rows = offs_m[:, None].to(tl.int64) + tl.zeros([BLOCK, BLOCK], dtype=tl.int64)
+    tl.atomic_max(bad_ptr + slot + tl.zeros([BLOCK, BLOCK], dtype=tl.int32), tag - rows, mask=(x != x) & mask)
     tl.store(y_ptr + offs, (x * s).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def dequant(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, block: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, first_bad): first_bad is a one-element int32 device tensor holding the first row with
-    a NaN code, or the row count when there is none. Nothing here waits for the GPU: the caller reads
-    first_bad when it needs the result anyway. The caller (kernels.fp8) has checked shapes and dtypes."""
+            ) -> tuple[torch.Tensor, nan_flag.FirstBad]:
+    """(output, first_bad): first_bad records the first row holding a NaN code (kernels/nan_flag.py).
+    Nothing here waits for the GPU: the caller reads first_bad when it needs the result anyway. The
+    caller (kernels.fp8) has checked shapes and dtypes."""
     weight = weight.contiguous()
     scale = scale.contiguous()
     rows, cols = weight.shape
     out = torch.empty((rows, cols), dtype=out_dtype, device=weight.device)
-    first_bad = torch.full((1,), rows, dtype=torch.int32, device=weight.device)
+    first_bad = nan_flag.claim(weight.device, lambda: nan_flag.first_true_row(_nan_codes(weight)))
     grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
-    _dequant_kernel[grid](weight, scale, out, first_bad, rows, cols, scale.shape[1], BLOCK=block,
-                          WIDE=(rows + block) * (cols + block) >= 2**31, num_warps=NUM_WARPS)
+    _dequant_kernel[grid](weight, scale, out, first_bad.flags, first_bad.slot, first_bad.tag, rows, cols,
+                          scale.shape[1], BLOCK=block, WIDE=(rows + block) * (cols + block) >= 2**31,
+                          num_warps=NUM_WARPS)
     return out, first_bad
+
+
+def _nan_codes(weight: torch.Tensor) -> torch.Tensor:
+    """Per row: does it hold a NaN code (the kernel's own test, x != x, on the widened codes)."""
+    return torch.isnan(weight.to(torch.float32)).any(dim=1)

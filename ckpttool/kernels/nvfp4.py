@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ckpttool.kernels import nvfp4_cpu
+from ckpttool.kernels.nan_flag import FirstBad
 
 
 PRESCALE = np.float32(2**14)
@@ -29,9 +30,9 @@ def _device_scales(variant: str, global_scale: float, device: torch.device) -> t
 
 
 def dequant_nvfp4_cuda(packed: torch.Tensor, scale: torch.Tensor, variant: str, global_scale: float,
-                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 [M, N/2] and F8_E4M3 scales [M, N/16] on a CUDA device -> ([M, N], first_bad): first_bad is
-    the first row whose scales hold a NaN code (M when none), left on the device for the caller."""
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, FirstBad]:
+    """uint8 [M, N/2] and F8_E4M3 scales [M, N/16] on a CUDA device -> ([M, N], first_bad): first_bad
+    records the first row whose scales hold a NaN code (kernels/nan_flag.py), for the caller to read."""
     from ckpttool.kernels import nvfp4_triton
 
     eff, prescaled = _device_scales(variant, float(global_scale), packed.device)

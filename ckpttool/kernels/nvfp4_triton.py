@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ckpttool.kernels import nan_flag
 from ckpttool.kernels.scaled_triton import Tile, _store_checked
 
 TILE = Tile(2, 512, 2)
@@ -48,8 +49,8 @@ def _unsigned_zero(words):
     return mag | sign
 
 
-@triton.jit
-def _nvfp4_kernel(w_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, M, N, WORDS, GROUPS, SIGNED_ZERO: tl.constexpr,
+@triton.jit(do_not_specialize=["slot", "tag"])
+def _nvfp4_kernel(w_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, slot, tag, M, N, WORDS, GROUPS, SIGNED_ZERO: tl.constexpr,
                   PRESCALED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BF16: tl.constexpr):
     """One program: BM rows x BN values, read as BM x BN/8 little-endian int32 words of packed bytes (value
     8w + k is bits 4k..4k+3 of word w: each byte's low nibble first) and each word's group scale (16 values,
@@ -70,11 +71,11 @@ def _nvfp4_kernel(w_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, M, N, WORDS, GROUPS, SI
     y = _e2m1_f32(codes, PRESCALED) * eff[:, :, None]
     offs = r64[:, :, None] * N + (wcols[None, :, None] * 8 + nibble[None, None, :])
     mask = wmask[:, :, None] & (nibble[None, None, :] < 8)
-    _store_checked(y_ptr, bad_ptr, y, offs, rows[:, None, None], mask, BF16)
+    _store_checked(y_ptr, bad_ptr, slot, tag, y, offs, rows[:, None, None], mask, BF16)
 
 
 def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed_zero: bool,
-            out_dtype: torch.dtype, prescaled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            out_dtype: torch.dtype, prescaled: bool = False) -> tuple[torch.Tensor, nan_flag.FirstBad]:
     """uint8 packed [M, N/2], uint8 scale codes [M, N/16], fp32 effective scales [256] on one device
     (times 2**14 when `prescaled`: see _e2m1_f32) -> ([M, N] out_dtype, first_bad). Shapes are checked at
     plan time (formats/compressed.py: N is a multiple of 16, so each row is whole int32 words)."""
@@ -83,11 +84,12 @@ def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed
         packed = packed.clone()
     rows, width = packed.shape
     out = torch.empty((rows, width * 2), dtype=out_dtype, device=packed.device)
-    first_bad = torch.full((1,), rows, dtype=torch.int32, device=packed.device)
+    first_bad = nan_flag.claim(packed.device, lambda: nan_flag.first_nan_row(out))
     bf16 = out_dtype == torch.bfloat16
     if rows and width:
         grid = (triton.cdiv(rows, TILE.rows), triton.cdiv(width * 2, TILE.cols))
-        _nvfp4_kernel[grid](packed.view(torch.int32), codes, eff, out.view(torch.int16) if bf16 else out, first_bad,
-                            rows, width * 2, width // 4, codes.shape[1], SIGNED_ZERO=signed_zero, PRESCALED=prescaled,
+        _nvfp4_kernel[grid](packed.view(torch.int32), codes, eff, out.view(torch.int16) if bf16 else out,
+                            first_bad.flags, first_bad.slot, first_bad.tag, rows, width * 2, width // 4,
+                            codes.shape[1], SIGNED_ZERO=signed_zero, PRESCALED=prescaled,
                             BM=TILE.rows, BN=TILE.cols, BF16=bf16, num_warps=TILE.warps)
     return out, first_bad

@@ -1,7 +1,7 @@
 """Triton kernels for compressed-tensors' INT4 (`pack-quantized`) and FP8 (`float-quantized`) dequant.
 Imported only when a CUDA tensor is dequantized. The same IEEE operations as kernels/scaled_cpu.py: the
 code's exact value times its fp32 scale (one multiply, no fused add), rounded once into the output
-dtype; a NaN result is refused through `first_bad`, as kernels/fp8_triton.py does."""
+dtype; a NaN result is refused through `first_bad` (kernels/nan_flag.py), as kernels/fp8_triton.py does."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from ckpttool.kernels import nan_flag
 
 
 class Tile(NamedTuple):
@@ -24,11 +26,12 @@ TILES = {"int4": Tile(4, 256, 2), "fp8_rows": Tile(16, 256, 4)}
 
 
 @triton.jit
-def _flag_nan(bad_ptr, y, rows, mask):
-    """first_bad = min(first_bad, every row holding a NaN): lanes without one issue no atomic. rows and mask
-    broadcast to y's shape."""
-    r = rows + tl.zeros_like(y).to(tl.int32)
-    tl.atomic_min(bad_ptr + tl.zeros_like(r), r, mask=(y != y) & mask)
+def _flag_nan(bad_ptr, slot, tag, y, rows, mask):
+    """Record every row holding a NaN in this call's cell, bad_ptr[slot] (kernels/nan_flag.py: the largest
+    `tag - row` wins, the smallest row): lanes without one issue no atomic. rows and mask broadcast to y's
+    shape."""
+    r = rows.to(tl.int64) + tl.zeros_like(y).to(tl.int64)
+    tl.atomic_max(bad_ptr + slot + tl.zeros_like(y).to(tl.int32), tag - r, mask=(y != y) & mask)
 
 
 @triton.jit
@@ -47,17 +50,17 @@ def _round_bf16(y):
 
 
 @triton.jit
-def _store_checked(y_ptr, bad_ptr, y, offs, rows, mask, BF16: tl.constexpr):
+def _store_checked(y_ptr, bad_ptr, slot, tag, y, offs, rows, mask, BF16: tl.constexpr):
     """Refuse NaN rows (first_bad), then store y: bf16 rounded by _round_bf16, else y_ptr's dtype."""
-    _flag_nan(bad_ptr, y, rows, mask)
+    _flag_nan(bad_ptr, slot, tag, y, rows, mask)
     if BF16:
         tl.store(y_ptr + offs, _round_bf16(y), mask=mask)
     else:
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, M, N, WORDS, S_COLS, GROUP: tl.constexpr, BM: tl.constexpr,
+@triton.jit(do_not_specialize=["slot", "tag"])
+def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, slot, tag, M, N, WORDS, S_COLS, GROUP: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BF16: tl.constexpr):
     """One program: BM rows x BN values, from BM x BN/8 words (each loaded once) and each word's group
     scale. Values stay [BM, BN/8, 8] (word, nibble) from load to store: a reshape to [BM, BN] moved them
@@ -74,11 +77,11 @@ def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, M, N, WORDS, S_COLS, GROUP: tl.co
     y = q.to(tl.float32) * s[:, :, None]
     offs = r64[:, :, None] * N + (wcols[None, :, None] * 8 + nibble[None, None, :])
     mask = wmask[:, :, None] & (nibble[None, None, :] < 8)
-    _store_checked(y_ptr, bad_ptr, y, offs, rows[:, None, None], mask, BF16)
+    _store_checked(y_ptr, bad_ptr, slot, tag, y, offs, rows[:, None, None], mask, BF16)
 
 
-@triton.jit
-def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_STRIDE, BM: tl.constexpr, BN: tl.constexpr,
+@triton.jit(do_not_specialize=["slot", "tag"])
+def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, slot, tag, M, N, S_STRIDE, BM: tl.constexpr, BN: tl.constexpr,
                      BF16: tl.constexpr):
     rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
     cols = tl.program_id(axis=1) * BN + tl.arange(0, BN)
@@ -87,22 +90,23 @@ def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, M, N, S_STRIDE, BM: tl.conste
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = _bf16_bits_to_f32(tl.load(s_ptr + rows * S_STRIDE, mask=rows < M, other=0))
     y = x * s[:, None]
-    _store_checked(y_ptr, bad_ptr, y, offs, rows[:, None], mask, BF16)
+    _store_checked(y_ptr, bad_ptr, slot, tag, y, offs, rows[:, None], mask, BF16)
 
 
 def _launch(kernel, tile: Tile, rows: int, cols: int, out_dtype: torch.dtype, device, *args, **consts):
     out = torch.empty((rows, cols), dtype=out_dtype, device=device)
-    first_bad = torch.full((1,), rows, dtype=torch.int32, device=device)
+    first_bad = nan_flag.claim(device, lambda: nan_flag.first_nan_row(out))
     bf16 = out_dtype == torch.bfloat16
     if rows and cols:
         grid = (triton.cdiv(rows, tile.rows), triton.cdiv(cols, tile.cols))
-        kernel[grid](*args[:2], out.view(torch.int16) if bf16 else out, first_bad, rows, cols, *args[2:],
-                     BM=tile.rows, BN=tile.cols, BF16=bf16, num_warps=tile.warps, **consts)
+        kernel[grid](*args[:2], out.view(torch.int16) if bf16 else out, first_bad.flags, first_bad.slot,
+                     first_bad.tag, rows, cols, *args[2:], BM=tile.rows, BN=tile.cols, BF16=bf16,
+                     num_warps=tile.warps, **consts)
     return out, first_bad
 
 
 def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, nan_flag.FirstBad]:
     """int32 [M, N/8] and bf16 group scales [M, G] -> ([M, N] out_dtype, first_bad). Shapes are checked at
     plan time (formats/compressed.py)."""
     packed, scale = packed.contiguous(), scale.contiguous().view(torch.int16)
@@ -113,7 +117,7 @@ def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dty
 
 
 def dequant_fp8_rows(codes: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, nan_flag.FirstBad]:
     """float8 [M, N] and a scale per row ([M, 1]) or per tensor ([1]) -> ([M, N] out_dtype, first_bad)."""
     codes, scale = codes.contiguous(), scale.contiguous().view(torch.int16).reshape(-1)
     rows, cols = codes.shape
