@@ -1,6 +1,6 @@
 """The CUDA kernels' record of the first row holding a NaN (kernels/nan_flag.py): no fill launched per
 call, so each call's cell may hold an older call's record (read as "none") or, SLOTS calls later, a newer
-one's (then the data itself is asked). Run on the GPU, and through Triton's interpreter on the CPU."""
+one's (then the kernel runs again). Run on the GPU, and through Triton's interpreter on the CPU."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from ckpttool.kernels import fp8_triton, nan_flag, scaled_triton
 device = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def skip(n):
-    for _ in range(n):
-        nan_flag.claim(torch.device(device), lambda: None)
+def up_to(slot):  # claim cells until the next call's is `slot`
+    while (nan_flag.claim(torch.device(device), lambda: None).epoch + 1) % nan_flag.SLOTS != slot:
+        pass
 
 
 def read_alone(first_bad):  # its row, read from its cell alone: the data is never asked
@@ -59,14 +59,14 @@ for call, two_bad, one_bad, other_bad in (
     bad = call(*two_bad)
     clean = call()
     assert read_alone(clean) is None and read_alone(bad) == two_bad[1][0]
-    # a later call with a NaN takes the cell before the first is read: the first asks its data
+    # a later call with a NaN takes the cell before the first is read: the first runs again, on a cell of its own
     first = call(*one_bad)
-    skip(nan_flag.SLOTS - 1)
+    up_to(first.slot)
     later = call(*other_bad)
     cells_share(first, later)
     assert later.row() == other_bad[0][0] and first.row() == one_bad[0][0], (later.row(), first.row())
     # a clean call in a cell that still holds an older call's NaN reads None
-    skip(nan_flag.SLOTS - 1)
+    up_to(first.slot)
     clean = call()
     assert clean.slot == first.slot and read_alone(clean) is None
 print("nan_flag ok")

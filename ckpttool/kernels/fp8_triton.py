@@ -42,14 +42,10 @@ def dequant(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, b
     scale = scale.contiguous()
     rows, cols = weight.shape
     out = torch.empty((rows, cols), dtype=out_dtype, device=weight.device)
-    first_bad = nan_flag.claim(weight.device, lambda: nan_flag.first_true_row(_nan_codes(weight)))
     grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
-    _dequant_kernel[grid](weight, scale, out, first_bad.flags, first_bad.slot, first_bad.tag, rows, cols,
-                          scale.shape[1], BLOCK=block, WIDE=(rows + block) * (cols + block) >= 2**31,
-                          num_warps=NUM_WARPS)
-    return out, first_bad
 
+    def run(y: torch.Tensor, bad: nan_flag.FirstBad) -> None:
+        _dequant_kernel[grid](weight, scale, y, bad.flags, bad.slot, bad.tag, rows, cols, scale.shape[1],
+                              BLOCK=block, WIDE=(rows + block) * (cols + block) >= 2**31, num_warps=NUM_WARPS)
 
-def _nan_codes(weight: torch.Tensor) -> torch.Tensor:
-    """Per row: does it hold a NaN code (the kernel's own test, x != x, on the widened codes)."""
-    return torch.isnan(weight.to(torch.float32)).any(dim=1)
+    return out, nan_flag.launched(out, run)

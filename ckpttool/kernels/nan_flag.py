@@ -6,8 +6,8 @@ all) from a CUDA graph (bench/RESULTS.md). Here each device keeps a ring of int6
 each call takes the next epoch: its lanes that see a NaN store `epoch << 32 | (ROW_MASK - row)` by
 atomic max into the epoch's cell. A cell holding an older epoch means no NaN in this call; this epoch,
 the smallest bad row (the largest value). A newer epoch means a later call with a NaN took the cell
-before this one was read (SLOTS calls in between): the caller's `recheck` looks at the data itself, so
-the answer never rests on SLOTS being large enough.
+before this one was read (SLOTS calls in between): then the kernel runs again with a cell of its own
+(`launched`), so the answer never rests on SLOTS being large enough.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class FirstBad:
 
 def claim(device: torch.device, recheck: Callable[[], int | None]) -> FirstBad:
     """The next epoch's cell on `device`. `recheck()`, run only after the kernel, finds the first bad row
-    from the data itself (rarely: see the module's docstring)."""
+    without this cell (rarely: see the module's docstring)."""
     global _epoch
     with _lock:
         if _epoch == LAST_EPOCH:  # two billion calls: new rings (calls not yet read keep theirs)
@@ -77,12 +77,11 @@ def claim(device: torch.device, recheck: Callable[[], int | None]) -> FirstBad:
         return FirstBad(flags, _epoch % SLOTS, _epoch, recheck)
 
 
-def first_true_row(rows_bad: torch.Tensor) -> int | None:
-    """The first index where a boolean vector (one entry per row) is true, or None."""
-    hit = torch.nonzero(rows_bad)
-    return int(hit[0, 0]) if hit.numel() else None
-
-
-def first_nan_row(y: torch.Tensor) -> int | None:
-    """The first row of a 2-D output holding a NaN, or None: the recheck for kernels that flag NaN results."""
-    return first_true_row(torch.isnan(y).any(dim=1)) if y.numel() else None
+def launched(out: torch.Tensor, run: Callable[[torch.Tensor, FirstBad], None]) -> FirstBad:
+    """`run(out, first_bad)` launches a kernel writing `out` and recording NaN rows in first_bad's cell.
+    Should a later call take that cell before it is read, the recheck launches the same kernel again into
+    a scratch output (the output cannot be asked: a NaN rounded to bf16 by integer arithmetic is not
+    always a NaN, and the caller may have changed it) and reads that call's own cell at once."""
+    first_bad = claim(out.device, lambda: launched(torch.empty_like(out), run).row())
+    run(out, first_bad)
+    return first_bad

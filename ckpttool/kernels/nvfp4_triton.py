@@ -84,12 +84,13 @@ def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed
         packed = packed.clone()
     rows, width = packed.shape
     out = torch.empty((rows, width * 2), dtype=out_dtype, device=packed.device)
-    first_bad = nan_flag.claim(packed.device, lambda: nan_flag.first_nan_row(out))
     bf16 = out_dtype == torch.bfloat16
-    if rows and width:
-        grid = (triton.cdiv(rows, TILE.rows), triton.cdiv(width * 2, TILE.cols))
-        _nvfp4_kernel[grid](packed.view(torch.int32), codes, eff, out.view(torch.int16) if bf16 else out,
-                            first_bad.flags, first_bad.slot, first_bad.tag, rows, width * 2, width // 4,
-                            codes.shape[1], SIGNED_ZERO=signed_zero, PRESCALED=prescaled,
-                            BM=TILE.rows, BN=TILE.cols, BF16=bf16, num_warps=TILE.warps)
-    return out, first_bad
+    grid = (triton.cdiv(rows, TILE.rows), triton.cdiv(width * 2, TILE.cols))
+
+    def run(y: torch.Tensor, bad: nan_flag.FirstBad) -> None:
+        if rows and width:
+            _nvfp4_kernel[grid](packed.view(torch.int32), codes, eff, y.view(torch.int16) if bf16 else y, bad.flags,
+                                bad.slot, bad.tag, rows, width * 2, width // 4, codes.shape[1], SIGNED_ZERO=signed_zero,
+                                PRESCALED=prescaled, BM=TILE.rows, BN=TILE.cols, BF16=bf16, num_warps=TILE.warps)
+
+    return out, nan_flag.launched(out, run)

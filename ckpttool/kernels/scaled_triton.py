@@ -95,14 +95,15 @@ def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, slot, tag, M, N, S_STRIDE, BM
 
 def _launch(kernel, tile: Tile, rows: int, cols: int, out_dtype: torch.dtype, device, *args, **consts):
     out = torch.empty((rows, cols), dtype=out_dtype, device=device)
-    first_bad = nan_flag.claim(device, lambda: nan_flag.first_nan_row(out))
     bf16 = out_dtype == torch.bfloat16
-    if rows and cols:
-        grid = (triton.cdiv(rows, tile.rows), triton.cdiv(cols, tile.cols))
-        kernel[grid](*args[:2], out.view(torch.int16) if bf16 else out, first_bad.flags, first_bad.slot,
-                     first_bad.tag, rows, cols, *args[2:], BM=tile.rows, BN=tile.cols, BF16=bf16,
-                     num_warps=tile.warps, **consts)
-    return out, first_bad
+    grid = (triton.cdiv(rows, tile.rows), triton.cdiv(cols, tile.cols))
+
+    def run(y: torch.Tensor, bad: nan_flag.FirstBad) -> None:
+        if rows and cols:
+            kernel[grid](*args[:2], y.view(torch.int16) if bf16 else y, bad.flags, bad.slot, bad.tag, rows, cols,
+                         *args[2:], BM=tile.rows, BN=tile.cols, BF16=bf16, num_warps=tile.warps, **consts)
+
+    return out, nan_flag.launched(out, run)
 
 
 def dequant_int4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
