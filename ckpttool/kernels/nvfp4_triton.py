@@ -71,7 +71,7 @@ def _nvfp4_kernel(w_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, slot, tag, M, N, WORDS,
     y = _e2m1_f32(codes, PRESCALED) * eff[:, :, None]
     offs = r64[:, :, None] * N + (wcols[None, :, None] * 8 + nibble[None, None, :])
     mask = wmask[:, :, None] & (nibble[None, None, :] < 8)
-    _store_checked(y_ptr, bad_ptr, slot, tag, y, offs, rows, mask, BF16)
+    _store_checked(y_ptr, bad_ptr, slot, tag, y, offs, rows[:, None, None], mask, BF16)
 
 
 def dequant(packed: torch.Tensor, codes: torch.Tensor, eff: torch.Tensor, signed_zero: bool,

@@ -27,15 +27,12 @@ TILES = {"int4": Tile(4, 256, 2), "fp8_rows": Tile(16, 256, 4)}
 
 @triton.jit
 def _flag_nan(bad_ptr, slot, tag, y, rows, mask):
-    """Record the rows holding a NaN in this call's cell, bad_ptr[slot] (kernels/nan_flag.py: the largest
-    `tag - row` wins, the smallest row): y's NaN test reduced to one flag per row (y's dim 0, `rows`, 1-D),
-    then one atomic per row that holds one. mask broadcasts to y's shape. The FP8 block kernel measured this
-    against an atomic per value, predicated (bench/nan_variants.py)."""
-    nan = ((y != y) & mask).to(tl.int32)
-    if len(y.shape) == 3:
-        nan = tl.max(nan, axis=2)
-    hit = tl.max(nan, axis=1)
-    tl.atomic_max(bad_ptr + slot + tl.zeros_like(rows), tag - rows.to(tl.int64), mask=hit > 0)
+    """Record every row holding a NaN in this call's cell, bad_ptr[slot] (kernels/nan_flag.py: the largest
+    `tag - row` wins, the smallest row): lanes without one issue no atomic. rows and mask broadcast to y's
+    shape. Not the FP8 block kernel's row reduction: here it held INT4 and NVFP4 at 0.60-0.82x FP8 block's
+    bandwidth (bench/RESULTS.md)."""
+    r = rows.to(tl.int64) + tl.zeros_like(y).to(tl.int64)
+    tl.atomic_max(bad_ptr + slot + tl.zeros_like(y).to(tl.int32), tag - r, mask=(y != y) & mask)
 
 
 @triton.jit
@@ -81,7 +78,7 @@ def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, slot, tag, M, N, WORDS, S_COLS, G
     y = q.to(tl.float32) * s[:, :, None]
     offs = r64[:, :, None] * N + (wcols[None, :, None] * 8 + nibble[None, None, :])
     mask = wmask[:, :, None] & (nibble[None, None, :] < 8)
-    _store_checked(y_ptr, bad_ptr, slot, tag, y, offs, rows, mask, BF16)
+    _store_checked(y_ptr, bad_ptr, slot, tag, y, offs, rows[:, None, None], mask, BF16)
 
 
 @triton.jit(do_not_specialize=["slot", "tag"])
@@ -94,7 +91,7 @@ def _fp8_rows_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, slot, tag, M, N, S_STRIDE, BM
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     s = _bf16_bits_to_f32(tl.load(s_ptr + rows * S_STRIDE, mask=rows < M, other=0))
     y = x * s[:, None]
-    _store_checked(y_ptr, bad_ptr, slot, tag, y, offs, rows, mask, BF16)
+    _store_checked(y_ptr, bad_ptr, slot, tag, y, offs, rows[:, None], mask, BF16)
 
 
 def _launch(kernel, tile: Tile, rows: int, cols: int, out_dtype: torch.dtype, device, *args, **consts):
