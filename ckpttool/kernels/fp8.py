@@ -62,11 +62,14 @@ def dequant_fp8_block_lazy(weight: torch.Tensor, scale: torch.Tensor, out_dtype:
     fmt = dtype_code(weight.dtype)
     if fmt not in FP8_DTYPES:
         raise InputError(f"expected an FP8 weight, got {weight.dtype}")
-    scale = scale.to(torch.float32)
+    if scale.dtype != torch.float32:  # each no-op .to() is a microsecond or two of a small tensor's call
+        scale = scale.float()
     if weight.is_cuda:
         from ckpttool.kernels import fp8_triton
 
-        return fp8_triton.dequant(weight, scale.to(weight.device), out_dtype, block)
+        if scale.device != weight.device:
+            scale = scale.to(weight.device)
+        return fp8_triton.dequant(weight, scale, out_dtype, block)
     out = dtype_code(out_dtype)
     if out not in OUT_DTYPES:
         raise InputError(f"FP8 dequant writes one of {[str(torch_dtype(c)) for c in OUT_DTYPES]}, not {out_dtype}")
