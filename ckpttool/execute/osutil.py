@@ -50,16 +50,3 @@ def in_memory_fs(path) -> bool:
     except (OSError, ValueError, TypeError):
         return False
     return (buf[0] & 0xFFFFFFFF) in _MEMORY_FS
-
-
-_fallocate = getattr(_libc, "fallocate", None)
-if _fallocate is not None:
-    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    _fallocate.restype = ctypes.c_int
-
-
-def allocate(fd: int, size: int) -> bool:
-    """Allocate a file's blocks [0, size) without writing them (Linux fallocate(2), mode 0: existing data
-    kept), through ctypes, so without the GIL. Never glibc's posix_fallocate, which writes a zero into every
-    block where the filesystem cannot allocate. True where the kernel did it."""
-    return _fallocate is not None and _fallocate(fd, 0, 0, size) == 0

@@ -19,7 +19,6 @@ from typing import Callable
 
 from ckpttool import defaults, faults
 from ckpttool.errors import OutputError
-from ckpttool.execute.osutil import allocate, in_memory_fs
 from ckpttool.io.hashing import ALGORITHM, PrefixHasher
 from ckpttool.io.safetensors import printable
 from ckpttool.io.layout import JOURNAL, PARTIAL_DIR, PLAN_FILE
@@ -96,9 +95,6 @@ class Staging:
         except OSError as exc:
             raise disk_error(exc, journal) from None
         self.fds: dict[str, int] = {}
-        self._allocating: list[threading.Thread] = []
-        """tmpfs: each fresh output file's pages allocated on a thread of its own while the run starts (numba's
-        load leaves the workers idle then), so a worker's pwrite only copies: osutil.allocate"""
         # each output file is hashed while it is written (its contiguous written prefix)
         self._hash_pool = ThreadPoolExecutor(min(16, defaults.cores(), max(1, len(plan.files))),
                                              thread_name_prefix="ckpttool-hash")
@@ -142,9 +138,7 @@ class Staging:
 
     def open_files(self, files: set[str] | None = None) -> None:
         """Create (or, resuming, reopen) the output files at their final size; `files` limits this
-        to one rank's share. On tmpfs a fresh file's pages are allocated on a thread per file meanwhile
-        (`_allocating`)."""
-        fresh_fds: list[tuple[int, int]] = []
+        to one rank's share."""
         for f in self.plan.files:
             if f.name in self.published or (files is not None and f.name not in files):
                 continue
@@ -173,16 +167,9 @@ class Staging:
                 os.close(fd)
                 raise disk_error(exc, path) from None
             self.fds[f.name] = fd
-            if fresh:
-                fresh_fds.append((fd, f.size))
             if not any(fn == f.name for fn, _ in self.done):  # nothing written by an earlier run
                 self._hashers[f.name] = PrefixHasher(path, f.size, self._hash_pool, written_prefix=len(f.header),
                                                      timings=self.timings)
-        if fresh_fds and in_memory_fs(self.dir):
-            self._allocating = [threading.Thread(target=allocate, args=item, name="ckpttool-allocate", daemon=True)
-                                for item in fresh_fds]
-            for thread in self._allocating:
-                thread.start()
 
     def pwrite(self, file: str, data, offset: int) -> None:
         """Write `data` (final bytes) at `offset`; the file's running hash takes it from memory when
@@ -257,9 +244,6 @@ class Staging:
             atomic_write(self.dir / f"{name}.{ALGORITHM}", hasher.result().encode())
 
     def close_files(self) -> None:
-        for thread in self._allocating:  # never close an fd under a running fallocate: its number is reused
-            thread.join()
-        self._allocating = []
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
