@@ -124,8 +124,9 @@ class CudaTransforms:
             if first_bad is not None:
                 flag.copy_(first_bad.cell, non_blocking=True)  # rides on the sync below: no wait of its own
             stream.synchronize()  # the rows are in host memory; the caller writes them before its next chunk
-        if first_bad is not None and (row := first_bad.decode(int(flag[0]))) is not None:
-            raise NaNCodes(row)  # the executor names the file, the tensor and the tensor's row
+            # decoded on the call's own device and stream: a cell a later call took runs the kernel again there
+            if first_bad is not None and (row := first_bad.decode(int(flag[0]))) is not None:
+                raise NaNCodes(row)  # the executor names the file, the tensor and the tensor's row
         return buf.view(CARRIERS[out_dtype]).reshape(tuple(y.shape))
 
     def _flag(self):

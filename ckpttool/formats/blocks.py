@@ -21,6 +21,8 @@ from ckpttool.kernels.mxfp4 import VALUES_PER_BLOCK, check_mxfp4
 if TYPE_CHECKING:
     import torch
 
+    from ckpttool.kernels.nan_flag import FirstBad
+
 
 # -- fp8_block ---------------------------------------------------------------------------------------
 SCALE_SUFFIX = "_scale_inv"
@@ -32,7 +34,7 @@ def _check_fp8(w_shape, s_shape, tensor, file) -> None:
 
 
 def _fp8_cuda(x: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+              ) -> tuple[torch.Tensor, FirstBad | None]:
     from ckpttool.kernels.fp8 import dequant_fp8_block_lazy
 
     return dequant_fp8_block_lazy(x, scale, out_dtype)

@@ -54,7 +54,8 @@ def dequant_fp8_block_lazy(weight: torch.Tensor, scale: torch.Tensor, out_dtype:
                            *, block: int = BLOCK) -> tuple[torch.Tensor, FirstBad | None]:
     """`dequant_fp8_block` without waiting for the GPU: on CUDA, returns (output, first_bad), the record of
     the first row holding a NaN code (kernels/nan_flag.py) for the caller to read when it synchronizes
-    anyway; on the CPU the check has run (first_bad is None)."""
+    anyway, on the same device and stream and before it changes `weight` (first_bad holds the inputs and
+    the output until then); on the CPU the check has run (first_bad is None)."""
     import torch
 
     out_dtype = out_dtype or torch.bfloat16

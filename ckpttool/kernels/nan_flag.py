@@ -73,6 +73,8 @@ def claim(device: torch.device, recheck: Callable[[], int | None]) -> FirstBad:
         flags = _rings.get(device)
         if flags is None:
             flags = _rings[device] = torch.zeros(SLOTS, dtype=torch.int64, device=device)
+            if flags.is_cuda:  # the zeros land before any stream's kernel can store into the ring
+                torch.cuda.current_stream(flags.device).synchronize()
         _epoch += 1
         return FirstBad(flags, _epoch % SLOTS, _epoch, recheck)
 
@@ -81,7 +83,9 @@ def launched(out: torch.Tensor, run: Callable[[torch.Tensor, FirstBad], None]) -
     """`run(out, first_bad)` launches a kernel writing `out` and recording NaN rows in first_bad's cell.
     Should a later call take that cell before it is read, the recheck launches the same kernel again into
     a scratch output (the output cannot be asked: a NaN rounded to bf16 by integer arithmetic is not
-    always a NaN, and the caller may have changed it) and reads that call's own cell at once."""
+    always a NaN, and the caller may have changed it) and reads that call's own cell at once. So read a
+    FirstBad on the device and stream it was launched on, before its inputs change; until then it holds
+    them (and the output) alive."""
     first_bad = claim(out.device, lambda: launched(torch.empty_like(out), run).row())
     run(out, first_bad)
     return first_bad
