@@ -8,7 +8,6 @@ at every start. bf16 has no numpy dtype and is carried as uint16; FP8 codes as u
 from __future__ import annotations
 
 import functools
-
 import importlib.util
 
 import numpy as np

@@ -55,7 +55,7 @@ class FirstBad:
             return ROW_MASK - (value & 0xFFFFFFFF)
         if epoch < self.epoch:
             return None
-        return self.recheck()  # overwritten by a call SLOTS later: ask the data
+        return self.recheck()  # taken by a call SLOTS later: the kernel runs again (launched)
 
     def row(self) -> int | None:
         """Wait for the kernel and decode its cell."""
