@@ -32,6 +32,22 @@ def require_seeds() -> Path:
     return SEEDS
 
 
+@pytest.fixture(params=["c", "numba", "numpy"])
+def cpu_kernels(request, monkeypatch) -> str:
+    """Each form of the CPU dequant's compiled loops in turn (kernels/fp8_gather.py): C (CKPTTOOL_NATIVE),
+    numba with C off, numpy with both off. C is skipped where setup.py found no compiler at install, numba
+    where it is not installed; CI has both."""
+    from ckpttool.kernels import native
+
+    monkeypatch.setenv("CKPTTOOL_NATIVE", "1" if request.param == "c" else "0")
+    monkeypatch.setenv("CKPTTOOL_NUMBA", "1" if request.param == "numba" else "0")
+    if request.param == "c" and native.library() is None:
+        pytest.skip("the C kernels were not built: setup.py found no C compiler at install")
+    if request.param == "numba":
+        pytest.importorskip("numba")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_v3(tmp_path_factory) -> Path:
     """FP8 DeepSeek-V3 layout with one MTP layer, scales beside their weights."""

@@ -144,37 +144,41 @@ def test_cpu_dequant_matches_formula_on_partial_blocks():
 
 
 def test_compiled_bf16_tables_equal_numpy_for_every_kind_of_scale(monkeypatch):
-    """fp8_cpu.value_tables built by numba (one loop per scale) against its numpy passes, bit for bit: fp32
-    scales of every exponent (subnormal, huge enough to overflow the product, negative, infinite) times
-    both FP8 formats' values and INT4's."""
+    """fp8_cpu.value_tables built by C and by numba (one loop per scale) against its numpy passes, bit for
+    bit: fp32 scales of every exponent (subnormal, huge enough to overflow the product, negative,
+    infinite, halfway between two bf16 values) times both FP8 formats' values and INT4's."""
     import numpy as np
 
     pytest.importorskip("numba")
-    from ckpttool.kernels import fp8_cpu
+    from ckpttool.kernels import fp8_cpu, native
 
     rng = np.random.default_rng(3)
     bits = rng.integers(0, 2**32, size=4000, dtype=np.uint64).astype(np.uint32)
+    bits[:200] = bits[:200] & 0xFFFF0000 | 0x8000  # exact ties for every power-of-two value: to even, up or down
     scales = bits.view(np.float32)
     scales = np.concatenate([scales[~np.isnan(scales)][:3980], np.array([np.inf, -np.inf, 0.0, -0.0, 2.0**-149],
                                                                          dtype=np.float32)]).reshape(-1, 5)
+    paths = {"c": ("1", "0"), "numba": ("0", "1"), "numpy": ("0", "0")}
+    if native.library() is None:
+        del paths["c"]  # no C compiler at install (test_the_c_kernels_are_built says whether CI has one)
     for values in (fp8_cpu.fp8_values("F8_E4M3"), fp8_cpu.fp8_values("F8_E5M2"), np.arange(-8, 8, dtype=np.float32)):
-        monkeypatch.setenv("CKPTTOOL_NUMBA", "1")
-        compiled = fp8_cpu.value_tables(values, scales, "BF16")
-        monkeypatch.setenv("CKPTTOOL_NUMBA", "0")
-        with np.errstate(invalid="ignore"):
-            numpy = fp8_cpu.value_tables(values, scales, "BF16")
-        assert compiled.shape == numpy.shape == (*scales.shape, len(values))
-        assert np.array_equal(compiled, numpy)
+        got = {}
+        for path, (c, numba) in paths.items():
+            monkeypatch.setenv("CKPTTOOL_NATIVE", c)
+            monkeypatch.setenv("CKPTTOOL_NUMBA", numba)
+            with np.errstate(invalid="ignore"):
+                got[path] = fp8_cpu.value_tables(values, scales, "BF16")
+            assert got[path].shape == (*scales.shape, len(values)), path
+        for path in paths:
+            assert np.array_equal(got[path], got["numpy"]), path
 
 
-@pytest.mark.parametrize("numba", ["1", "0"])
-def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype(monkeypatch, numba):
-    """The CPU kernel (per-block tables, bf16 rounded in integers; the gather compiled by numba or
-    in numpy) against torch doing the same IEEE steps: fp32(code) * scale, one cast. Random codes
-    cover subnormals and the largest values; a NaN code is found in its row by either gather."""
+def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype(cpu_kernels):
+    """The CPU kernel (per-block tables, bf16 rounded in integers; the gather in C, numba or numpy)
+    against torch doing the same IEEE steps: fp32(code) * scale, one cast. Random codes cover subnormals
+    and the largest values; a NaN code is found in its row by every gather."""
     import numpy as np
 
-    monkeypatch.setenv("CKPTTOOL_NUMBA", numba)
     from ckpttool.dtypes import dtype_code
     from ckpttool.kernels import fp8_cpu
 
@@ -195,14 +199,12 @@ def test_numpy_dequant_equals_torch_arithmetic_for_every_format_and_output_dtype
                 fp8_cpu.dequant(bad, scale.numpy(), fmt, dtype_code(out))
 
 
-@pytest.mark.parametrize("numba", ["1", "0"])
-def test_a_nan_code_is_found_in_its_row_wherever_it_lies(monkeypatch, numba):
+def test_a_nan_code_is_found_in_its_row_wherever_it_lies(cpu_kernels):
     """The compiled test reads codes eight at a time from the first 8-byte boundary and the bytes before
     and after it apart: a NaN code at any offset of an unaligned, odd-sized block of codes is refused
     in its row, in both formats and signs, and a block without one passes (every other code)."""
     import numpy as np
 
-    monkeypatch.setenv("CKPTTOOL_NUMBA", numba)
     from ckpttool.kernels import fp8_cpu
 
     for fmt, nans in (("F8_E4M3", (0x7F, 0xFF)), ("F8_E5M2", (0x7D, 0x7E, 0xFF))):
@@ -223,6 +225,42 @@ def test_a_nan_code_is_found_in_its_row_wherever_it_lies(monkeypatch, numba):
     zero[0] = 0x38  # 1.0: times inf is inf, not NaN
     with pytest.raises(fp8_cpu.NaNCodes, match=r"first in row 1\)"):
         fp8_cpu.dequant(zero, inf_scale, "F8_E4M3", "BF16")
+
+
+def test_compiled_gathers_equal_numpy_for_any_block_and_row_stride(cpu_kernels):
+    """The compiled gather (C's constant 128-column loop and its general one, numba's) against numpy's for
+    blocks of 32 to 256 columns, partial last blocks, and codes and output that are row slices of wider
+    arrays: the same bits, and nothing written outside the output's columns."""
+    import numpy as np
+
+    from ckpttool.kernels import fp8_gather
+
+    if cpu_kernels == "numpy":
+        pytest.skip("compares the compiled gathers with numpy's")
+    rng = np.random.default_rng(5)
+    for block in (32, 64, 128, 256):
+        for rows, cols in ((1, 1), (block + 3, 2 * block + 5), (2 * block, 3 * block)):
+            codes = rng.integers(0, 256, (rows, cols + 7), dtype=np.uint8)[:, 3:cols + 3]
+            for dtype in (np.uint16, np.uint32):
+                tables = rng.integers(0, 1 << 15, (-(-rows // block), -(-cols // block) * 256), dtype=dtype)
+                wide = np.full((rows, cols + 4), 7, dtype=dtype)
+                fp8_gather.kernel()(codes, tables, wide[:, 2:cols + 2], block.bit_length() - 1)
+                expect = np.empty((rows, cols), dtype=dtype)
+                fp8_gather.gather_numpy(codes, tables.reshape(tables.shape[0], -1, 256), expect, block, 0, 1 << 31)
+                assert np.array_equal(wide[:, 2:cols + 2], expect), (block, rows, cols, dtype)
+                assert (wide[:, :2] == 7).all() and (wide[:, cols + 2:] == 7).all(), (block, rows, cols, dtype)
+
+
+def test_the_c_kernels_are_built_where_a_compiler_is():
+    """setup.py builds kernels/native/*.c at install wherever a C compiler is on PATH (CI's is), so their
+    absence there means a broken build, not a missing tool: reinstall (`pip install -e .`)."""
+    import shutil
+
+    from ckpttool.kernels import native
+
+    if not any(shutil.which(cc) for cc in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler on PATH: the CPU dequant runs numba's or numpy's loops")
+    assert native._load() is not None, "kernels/_native*.so is missing: reinstall with `pip install -e .`"
 
 
 def test_nan_codes_are_refused_naming_file_and_tensor(tiny_v3_no_mtp, tmp_path):

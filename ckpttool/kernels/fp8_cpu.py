@@ -6,12 +6,12 @@ kernel does, so both devices give the same bits (tests/test_convert.py). bf16 ha
 is carried as uint16 and rounded with integer arithmetic.
 
 An FP8 code has 256 values and a block one scale, so each 128x128 block's outputs are a 256-entry
-table: the multiply and the rounding run once per (block, code) (for BF16 in one numba loop,
+table: the multiply and the rounding run once per (block, code) (for BF16 in one compiled loop,
 fp8_gather.bf16_tables, else in numpy), and each element is one gather from a table that stays in
-L1. The gather is a numba kernel (kernels/fp8_gather.py: one call per chunk, without the GIL; 4.3 GB/s
-of BF16 on one core of the 2-core box, 2.5 on one of the H100 machine's) where numba imports, else
-numpy (`np.take` over precomputed indices, about 3x slower). NaN codes are refused: the numba path
-tests the codes first, eight per 64-bit word (fp8_gather.nan_row); numpy tests the output's bits.
+L1. The gather is compiled (kernels/fp8_gather.py: one call per chunk, without the GIL): C where setup.py
+built it at install, else numba, else numpy (`np.take` over precomputed indices, about 3x slower than
+numba). NaN codes are refused: the compiled paths test the codes first, eight per 64-bit word
+(fp8_gather.nan_row); numpy tests the output's bits.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def value_tables(values: np.ndarray, scale: np.ndarray, out_dtype: str) -> np.nd
     if compiled is not None:
         flat = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
         out = np.empty((flat.shape[0], len(values)), dtype=np.uint16)
-        compiled(np.ascontiguousarray(values, dtype=np.float32), flat, np.empty(len(values), dtype=np.float32), out)
+        compiled(np.ascontiguousarray(values, dtype=np.float32), flat, out)
         return out.reshape(*scale.shape, len(values))
     with np.errstate(over="ignore", invalid="ignore"):  # a NaN product is found in the output
         prod = np.multiply(values, scale.astype(np.float32, copy=False)[..., None], dtype=np.float32)

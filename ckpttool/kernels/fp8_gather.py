@@ -1,27 +1,36 @@
 """The gather of table-driven FP8 dequant (kernels/fp8_cpu.py): out[i, j] = table[i // b, j // b, codes[i, j]].
 
-Two implementations of the same function, the same bits: a numba kernel (one compiled loop per chunk,
-run without the GIL; compiled on first use, about 0.6 s on the 2-core box, then cached on disk), and
-numpy (`np.take` over int64 indices built in one pass, ~3x slower) where numba does not import or
-`CKPTTOOL_NUMBA=0` asks for it. NaN codes are refused: the numba path tests the codes before the
-gather (`nan_row`: with finite scales a NaN output comes only from a NaN code, and fp8_cpu.dequant
-tests the output where a scale is not), the numpy path the output's bits. tests/test_convert.py runs
-both against torch.
+Three implementations of the same function, the same bits: C (kernels/native.py: built at install where
+a compiler is found, loaded in about a millisecond), numba (one compiled loop per chunk, run without the
+GIL; its import and cached kernels took 0.4-0.8 s at the start of each run), and numpy (`np.take` over
+int64 indices built in one pass, ~3x slower than numba). `kernel()`, `any_over()` and `bf16_tables()`
+give the first that is there: `CKPTTOOL_NATIVE=0` skips C, `CKPTTOOL_NUMBA=0` numba. NaN codes are
+refused: the compiled paths test the codes before the gather (`nan_row`: with finite scales a NaN
+output comes only from a NaN code, and fp8_cpu.dequant tests the output where a scale is not), the
+numpy path the output's bits. tests/test_convert.py runs all three against torch.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
+from ckpttool.kernels import native
 from ckpttool.kernels.numba_jit import compiled_on_first_use
 
 _STEP_ELEMENTS = 1 << 20
 """numpy path: elements per step, bounding its int64 index temporary to 8 MiB"""
 
 
+def kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None:
+    """The compiled gather `(codes, tables, out, shift)`, C or numba, or None (then gather_numpy)."""
+    return native.gather if native.library() is not None else _numba_gather()
+
+
 @compiled_on_first_use
-def kernel(numba):
-    """The compiled gather, or None where numba is missing or disabled (CKPTTOOL_NUMBA=0). It finds no
+def _numba_gather(numba):
+    """numba's gather, or None where numba is missing or disabled (CKPTTOOL_NUMBA=0). It finds no
     NaN: `nan_row` looks at the codes first. Each full block's 2^shift columns are one loop over
     slices of fixed length, the last partial block a loop of its own: on the H100 machine's Xeon the
     loop that also bounded each block by the row's end and folded every output into a NaN test ran
@@ -49,9 +58,14 @@ def kernel(numba):
     return gather
 
 
+def any_over() -> Callable[[np.ndarray, np.uint64], bool] | None:
+    """The compiled test for NaN codes, eight at a time (`nan_row`): C or numba, or None."""
+    return native.any_over if native.library() is not None else _numba_any_over()
+
+
 @compiled_on_first_use
-def any_over(numba):
-    """The compiled test for NaN codes, eight at a time (`nan_row`), or None."""
+def _numba_any_over(numba):
+    """numba's test for NaN codes, or None."""
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def any_over(words, add):  # pragma: no cover - compiled
@@ -83,9 +97,19 @@ def nan_row(codes: np.ndarray, nan_above: int) -> int:
     return int(np.flatnonzero(bad)[0]) if bad.any() else -1
 
 
+def bf16_tables() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
+    """The compiled BF16 table builder `(values, scales, out)`, C or numba, or None (then numpy)."""
+    if native.library() is not None:
+        return native.bf16_tables
+    tables = _numba_bf16_tables()
+    if tables is None:
+        return None
+    return lambda values, scales, out: tables(values, scales, np.empty(len(values), dtype=np.float32), out)
+
+
 @compiled_on_first_use
-def bf16_tables(numba):
-    """The compiled BF16 table builder (fp8_cpu.value_tables' numpy steps in one loop per scale, no
+def _numba_bf16_tables(numba):
+    """numba's BF16 table builder (fp8_cpu.value_tables' numpy steps in one loop per scale, no
     temporaries), or None where numba is missing or disabled. Each entry is the same fp32 product of value
     and scale, rounded to nearest even by the same uint32 arithmetic as fp8_cpu.round_to_bf16 (its wrap
     included), so the same bits. On the H100 machine numpy's seven passes (and their temporaries' page

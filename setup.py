@@ -1,0 +1,12 @@
+"""The optional C kernels (ckpttool/kernels/native/): built where a C compiler is found, skipped with a
+warning where not (the CPU path then runs numba's or numpy's loops, the same bits). Everything else is
+in pyproject.toml."""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension(
+    "ckpttool.kernels._native",  # a plain C library that kernels/native.py loads with ctypes, not a module
+    sources=["ckpttool/kernels/native/fp8.c"],
+    extra_compile_args=["-O3", "-funroll-loops", "-std=c99"],
+    optional=True,
+)])
