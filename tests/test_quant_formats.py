@@ -23,7 +23,7 @@ from quant_builders import EXPERTS, KINDS, LINEAR, ct_decompress, load_all, mode
 
 from ckpttool.describe import describe
 from ckpttool.formats import BY_NAME
-from ckpttool.kernels import nvfp4_cpu, scaled_cpu
+from ckpttool.kernels import fp8_cpu, nvfp4_cpu, scaled_cpu
 from ckpttool.kernels.fp8_cpu import NaNCodes
 
 pytest.importorskip("compressed_tensors")
@@ -45,11 +45,10 @@ def np_bits(t: torch.Tensor):
 
 
 # -- kernels against the libraries ------------------------------------------------------------------
-@pytest.fixture(params=["numba", "numpy"], autouse=False)
-def cpu_path(request, monkeypatch):
-    """Both CPU forms of each kernel (kernels/scaled_numba.py, and numpy where numba is off)."""
-    monkeypatch.setenv("CKPTTOOL_NUMBA", "1" if request.param == "numba" else "0")
-    return request.param
+@pytest.fixture
+def cpu_path(cpu_kernels):
+    """Every CPU form of each kernel: C (kernels/native/scaled.c), numba (kernels/scaled_numba.py), numpy."""
+    return cpu_kernels
 
 
 def test_int4_every_byte_with_edge_scales_matches_compressed_tensors(cpu_path):
@@ -166,6 +165,24 @@ def test_nan_scales_are_refused_naming_the_row(kernel, cpu_path):
     assert e.value.row == 2
 
 
+@pytest.mark.parametrize("nan", [0x7C01, 0x7FFF, 0xFC01, 0xFFFF])
+def test_nan_scales_of_every_payload_are_refused(nan, cpu_path):
+    """A NaN F16 scale whose fp32 low bits are high (0xFFFF -> 0xFFFFE000) once lost its NaN in the bf16
+    rounding's 32-bit sum (to +0.0) on the table paths, and the row was written, not refused: every
+    payload and sign, each kernel that builds tables from scales, each CPU path."""
+    scale = np.ones((4, 2), dtype=np.float16)
+    scale.view(np.uint16)[2, 1] = nan
+    for out in ("BF16", "F16", "F32"):
+        with pytest.raises(NaNCodes) as e:
+            scaled_cpu.dequant_int4(np.zeros((4, 8), dtype=np.int32), scale, "F16", out)
+        assert e.value.row == 2, ("int4", out)
+        with pytest.raises(NaNCodes) as e:
+            scaled_cpu.dequant_fp8_rows(np.full((4, 64), 0x38, dtype=np.uint8), scale[:, 1:], "F8_E4M3", "F16", out)
+        assert e.value.row == 2, ("fp8 rows", out)
+    values = fp8_cpu.value_tables(np.array([1.0, -2.0], dtype=np.float32), scale.astype(np.float32), "BF16")
+    assert ((values[2, 1] & 0x7FFF) > 0x7F80).all() and ((np.delete(values.reshape(8, 2), 5, 0) & 0x7FFF) <= 0x7F80).all()
+
+
 def test_distinct_scales_are_the_same_compiled_or_not(monkeypatch):
     """scaled_cpu.distinct, compiled for 16-bit scales (numba) and in numpy: the same values in the same
     order and the same index per element, every bit pattern included (NaNs, infinities, both zeros)."""
@@ -173,12 +190,14 @@ def test_distinct_scales_are_the_same_compiled_or_not(monkeypatch):
     bits = np.concatenate([gen.integers(0, 1 << 16, 5000), np.arange(1 << 16)[::7]]).astype(np.uint16)
     scale = gen.permutation(bits).reshape(-1, 1).view(np.dtype("<u2"))
     results = []
-    for numba in ("1", "0"):
+    for c, numba in (("1", "0"), ("0", "1"), ("0", "0")):  # C, numba, numpy (the first two where built)
+        monkeypatch.setenv("CKPTTOOL_NATIVE", c)
         monkeypatch.setenv("CKPTTOOL_NUMBA", numba)
         values, which = scaled_cpu.distinct(scale)
         assert np.array_equal(values[which].view(np.uint16), scale.view(np.uint16))
         results.append((values.view(np.uint16), which))
-    assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
+    for values, which in results[:-1]:
+        assert np.array_equal(values, results[-1][0]) and np.array_equal(which, results[-1][1])
 
 
 def test_nan_codes_under_finite_scales_are_refused_naming_the_row(cpu_path):

@@ -67,7 +67,10 @@ def fp8_values(fmt: str) -> np.ndarray:
 
 def round_to_bf16(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
     """float32 -> bfloat16 bits (uint16), round to nearest even: the rounding of torch and of CUDA's
-    cvt.rn.bf16.f32. The caller has ruled NaN out (it would need a canonical payload)."""
+    cvt.rn.bf16.f32 for every number. A NaN stays a NaN (sign and top payload bits, made quiet; torch
+    would give its canonical one, but every NaN is refused downstream): the 32-bit sum would wrap a NaN
+    whose low bits are high (0xFFFF8001 and up, an F16 scale 0xFFFF times anything) to +0.0, which
+    nothing could then refuse."""
     u = x.view(np.uint32)
     np.right_shift(u, 16, out=tmp)
     tmp &= 1
@@ -75,6 +78,9 @@ def round_to_bf16(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
     tmp += u
     tmp >>= 16
     np.copyto(out, tmp, casting="unsafe")
+    nan = np.isnan(x)
+    if nan.any():
+        np.copyto(out, (u >> 16) | 0x40, where=nan, casting="unsafe")
 
 
 def code_tables(scale: np.ndarray, fmt: str, out_dtype: str) -> np.ndarray:

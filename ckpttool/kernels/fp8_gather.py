@@ -111,8 +111,8 @@ def bf16_tables() -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None
 def _numba_bf16_tables(numba):
     """numba's BF16 table builder (fp8_cpu.value_tables' numpy steps in one loop per scale, no
     temporaries), or None where numba is missing or disabled. Each entry is the same fp32 product of value
-    and scale, rounded to nearest even by the same uint32 arithmetic as fp8_cpu.round_to_bf16 (its wrap
-    included), so the same bits. On the H100 machine numpy's seven passes (and their temporaries' page
+    and scale, rounded to nearest even by the same integer arithmetic as fp8_cpu.round_to_bf16 (a NaN
+    kept a NaN), so the same bits. On the H100 machine numpy's seven passes (and their temporaries' page
     faults) took 13% of the workers' samples in a 16-worker conversion; with this loop a 32 MiB chunk's
     tables take 36 us against 283 us on the 2-core box, and a conversion RAM to RAM there takes 0.90x the time
     (0.90-1.02x on the H100 machine: bench/RESULTS.md)."""
@@ -127,8 +127,10 @@ def _numba_bf16_tables(numba):
                 prod[k] = values[k] * s  # float32 * float32: one fp32 multiply, as numpy's
             for k in range(n):
                 u = np.uint64(bits[k])
-                r = (u + np.uint64(0x7FFF) + ((u >> np.uint64(16)) & np.uint64(1))) & np.uint64(0xFFFFFFFF)
-                out[i, k] = np.uint16(r >> np.uint64(16))
+                if (u & np.uint64(0x7FFFFFFF)) > np.uint64(0x7F800000):  # NaN stays NaN (round_to_bf16)
+                    out[i, k] = np.uint16((u >> np.uint64(16)) | np.uint64(0x40))
+                else:
+                    out[i, k] = np.uint16((u + np.uint64(0x7FFF) + ((u >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16))
 
     return tables
 

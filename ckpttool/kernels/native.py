@@ -1,5 +1,6 @@
 """The C kernels (kernels/native/*.c), loaded with ctypes: the FP8 block dequant's gather, its NaN-code
-test and its BF16 tables, the same functions and bits as fp8_gather.py's numba kernels.
+test and its BF16 tables (fp8_gather.py), and the compressed-tensors and ModelOpt loops (scaled_numba.py's
+`Kernels`): the same functions and bits as the numba kernels there.
 
 setup.py builds them at install where a C compiler is found (`pip install -e .` puts the library beside
 this file). Loading takes about a millisecond, against the 0.4-0.8 s that importing numba and loading
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ckpttool.kernels.scaled_numba import Kernels
+
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _SIGNATURES = {
@@ -27,7 +30,16 @@ _SIGNATURES = {
     "ckpttool_fp8_gather_u32": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, ctypes.c_int32], None),
     "ckpttool_fp8_any_over": ([_P, _I64, ctypes.c_uint64], ctypes.c_int32),
     "ckpttool_bf16_tables": ([_P, _I64, _P, _I64, _P], None),
+    **{f"ckpttool_fp8_rows_{t}": ([_P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_uint64, ctypes.c_uint64], _I64)
+       for t in ("u16", "u32")},
+    **{f"ckpttool_fp8_rows_{t}_plain": ([_P, _I64, _P, _P, _P, _I64, _I64, _I64], None) for t in ("u16", "u32")},
+    "ckpttool_int4_bf16": ([_P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P], _I64),
+    "ckpttool_int4_bf16_pairs": ([_P, _I64, _P], None),
+    "ckpttool_int4_by_pairs": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64], None),
+    "ckpttool_distinct16": ([_P, _I64, _P, _P, _P], _I64),
+    **{f"ckpttool_nvfp4_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64], None) for t in ("u32", "u64")},
 }
+_SUFFIX = {np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32", np.dtype(np.uint64): "u64"}
 
 
 def library() -> ctypes.CDLL | None:
@@ -51,11 +63,19 @@ def _load() -> ctypes.CDLL | None:
     return None
 
 
-def _rows(a: np.ndarray, dtype, name: str) -> int:
-    """Row stride of a 2-D `a` of `dtype` whose columns are contiguous, in elements."""
-    if a.ndim != 2 or a.dtype != dtype or (a.shape[1] > 1 and a.strides[1] != a.itemsize) or a.strides[0] % a.itemsize:
-        raise ValueError(f"{name}: a 2-D {np.dtype(dtype)} array with contiguous rows, not {a.dtype} {a.shape} {a.strides}")
+def _rows(a: np.ndarray, dtype, name: str, shape: tuple[int, int] | None = None) -> int:
+    """Row stride of a 2-D `a` of `dtype` (and `shape`, where given) whose columns are contiguous, in elements."""
+    if a.ndim != 2 or a.dtype != dtype or (a.shape[1] > 1 and a.strides[1] != a.itemsize) or a.strides[0] % a.itemsize \
+            or (shape is not None and a.shape != shape):
+        raise ValueError(f"{name}: a 2-D {np.dtype(dtype)} array {shape or ''} with contiguous rows, not "
+                         f"{a.dtype} {a.shape} {a.strides}")
     return a.strides[0] // a.itemsize
+
+
+def _flat(a: np.ndarray, dtype, name: str, size: int | None = None) -> None:
+    if a.ndim != 1 or a.dtype != dtype or not a.flags.c_contiguous or (size is not None and a.shape[0] < size):
+        raise ValueError(f"{name}: a contiguous 1-D {np.dtype(dtype)} array of at least {size} elements, not "
+                         f"{a.dtype} {a.shape}")
 
 
 def gather(codes: np.ndarray, tables: np.ndarray, out: np.ndarray, shift: int) -> None:
@@ -86,3 +106,83 @@ def bf16_tables(values: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None
         if a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
             raise ValueError(f"bf16_tables: a contiguous {np.dtype(dtype)} {shape}, not {a.dtype} {a.shape}")
     _load().ckpttool_bf16_tables(values.ctypes.data, n, scales.ctypes.data, m, out.ctypes.data)
+
+
+# -- scaled_numba.Kernels in C: the same signatures, so kernels/scaled_cpu.py and nvfp4_cpu.py call either --
+
+def _which(which: np.ndarray, rows: int, count: int) -> None:
+    _flat(which, np.int32, "which", rows)
+    if rows and not (0 <= int(which[:rows].min()) and int(which[:rows].max()) < count):
+        raise ValueError(f"which: table indices outside [0, {count})")
+
+
+def fp8_rows(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray, mask: int, inf: int) -> int:
+    rows, cols = codes.shape
+    _rows(tables, tables.dtype, "tables", (tables.shape[0], 256))
+    _which(which, rows, tables.shape[0])
+    fn = getattr(_load(), f"ckpttool_fp8_rows_{_SUFFIX[tables.dtype]}")
+    return fn(codes.ctypes.data, _rows(codes, np.uint8, "codes"), tables.ctypes.data, which.ctypes.data, out.ctypes.data,
+              _rows(out, tables.dtype, "out", (rows, cols)), rows, cols, mask, inf)
+
+
+def fp8_rows_plain(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray) -> None:
+    rows, cols = codes.shape
+    _rows(tables, tables.dtype, "tables", (tables.shape[0], 256))
+    _which(which, rows, tables.shape[0])
+    fn = getattr(_load(), f"ckpttool_fp8_rows_{_SUFFIX[tables.dtype]}_plain")
+    fn(codes.ctypes.data, _rows(codes, np.uint8, "codes"), tables.ctypes.data, which.ctypes.data, out.ctypes.data,
+       _rows(out, tables.dtype, "out", (rows, cols)), rows, cols)
+
+
+def int4_bf16(packed: np.ndarray, scale: np.ndarray, group: int, out: np.ndarray) -> int:
+    rows, width = packed.shape
+    groups = scale.shape[1] if scale.ndim == 2 else -1
+    if groups < 0 or group % 8 or groups * group != width * 8:
+        raise ValueError(f"int4_bf16: {groups} groups of {group} for {width} words a row")
+    scratch = np.empty(max(groups, 1) * 16, dtype=np.uint32)
+    return _load().ckpttool_int4_bf16(packed.ctypes.data, _rows(packed, np.uint32, "packed"), scale.ctypes.data,
+                                      _rows(scale, np.float32, "scale", (rows, groups)), rows, width, groups, group,
+                                      out.ctypes.data, _rows(out, np.uint32, "out", (rows, width * 4)), scratch.ctypes.data)
+
+
+def int4_bf16_pairs(scales: np.ndarray, out: np.ndarray) -> None:
+    _flat(scales, np.float32, "scales")
+    _flat(out, np.uint32, "out", scales.shape[0] * 256)
+    _load().ckpttool_int4_bf16_pairs(scales.ctypes.data, scales.shape[0], out.ctypes.data)
+
+
+def int4_by_pairs(nibbles: np.ndarray, pairs: np.ndarray, which: np.ndarray, half_group: int, out: np.ndarray) -> None:
+    rows, half = nibbles.shape
+    groups = which.shape[1] if which.ndim == 2 else -1
+    if groups < 0 or groups * half_group != half:
+        raise ValueError(f"int4_by_pairs: {groups} groups of {half_group} bytes for {half} bytes a row")
+    _flat(pairs, np.uint32, "pairs")
+    which_stride = _rows(which, np.int32, "which", (rows, groups))
+    if which.size and not (0 <= int(which.min()) and int(which.max()) < pairs.shape[0] // 256):
+        raise ValueError(f"which: table indices outside [0, {pairs.shape[0] // 256})")
+    _load().ckpttool_int4_by_pairs(nibbles.ctypes.data, _rows(nibbles, np.uint8, "nibbles"), pairs.ctypes.data,
+                                   which.ctypes.data, which_stride, rows, groups, half_group, out.ctypes.data,
+                                   _rows(out, np.uint32, "out", (rows, half)))
+
+
+def distinct16(bits: np.ndarray, values: np.ndarray, which: np.ndarray) -> int:
+    _flat(bits, np.uint16, "bits")
+    _flat(values, np.uint16, "values", 1 << 16)
+    _flat(which, np.int32, "which", bits.shape[0])
+    seen = np.empty(1 << 16, dtype=np.int32)
+    return _load().ckpttool_distinct16(bits.ctypes.data, bits.shape[0], values.ctypes.data, which.ctypes.data,
+                                       seen.ctypes.data)
+
+
+def nvfp4(packed: np.ndarray, codes: np.ndarray, table: np.ndarray, out: np.ndarray) -> int:
+    rows, width = packed.shape
+    _flat(table, table.dtype, "table", 256 * 256)
+    fn = getattr(_load(), f"ckpttool_nvfp4_{_SUFFIX[table.dtype]}")
+    fn(packed.ctypes.data, _rows(packed, np.uint8, "packed"), codes.ctypes.data,
+       _rows(codes, np.uint8, "codes", (rows, -(-width // 8))), table.ctypes.data, out.ctypes.data,
+       _rows(out, table.dtype, "out", (rows, width)), rows, width)
+    return -1
+
+
+SCALED = Kernels(fp8_rows, int4_bf16, nvfp4, fp8_rows_plain, int4_bf16_pairs, int4_by_pairs, distinct16)
+"""scaled_numba.Kernels in C (the library must be loaded: check `library()` first)"""

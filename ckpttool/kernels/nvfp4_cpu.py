@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 from ckpttool.dtypes import CARRIERS
-from ckpttool.kernels import scaled_numba
+from ckpttool.kernels.scaled_cpu import compiled
 from ckpttool.kernels.fp8_cpu import fp8_values, round_to_bf16
 from ckpttool.kernels.mxfp4_cpu import E2M1_VALUES, gather_words, pair_words
 
@@ -70,10 +70,10 @@ def dequant(packed: np.ndarray, scales: np.ndarray, variant: str, global_scale: 
     rows, width = packed.shape
     groups = width // BYTES_PER_GROUP
     pairs = table(variant, float(global_scale), out)
-    compiled = scaled_numba.kernels()
-    if compiled is not None and rows and width:
+    loops = compiled()
+    if loops is not None and rows and width:
         words = np.empty((rows, width), dtype=pairs.dtype)
-        compiled.nvfp4(packed, scales.reshape(rows, groups), pairs, words)
+        loops.nvfp4(packed, scales.reshape(rows, groups), pairs, words)
     else:
         words = gather_words(pairs, packed.reshape(rows, groups, BYTES_PER_GROUP), scales.reshape(rows, groups))
     return words.view(CARRIERS[out]).reshape(rows, width * 2)

@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 from ckpttool.dtypes import CARRIERS
-from ckpttool.kernels import scaled_numba
+from ckpttool.kernels import native, scaled_numba
 from ckpttool.kernels.fp8_gather import first_nan_row, nan_row
 from ckpttool.kernels.fp8_cpu import INF_BITS, NAN_ABOVE, NaNCodes, code_tables, round_to_bf16, value_tables
 from ckpttool.kernels.mxfp4_cpu import gather_words, pair_words
@@ -41,17 +41,23 @@ def _int4_pairs() -> np.ndarray:
     return lo | (hi << np.uint64(32))
 
 
+def compiled() -> scaled_numba.Kernels | None:
+    """The compiled loops: C where setup.py built them (kernels/native.py), else numba's, else None (numpy).
+    CKPTTOOL_NATIVE=0 and CKPTTOOL_NUMBA=0 skip either."""
+    return native.SCALED if native.library() is not None else scaled_numba.kernels()
+
+
 def distinct(scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(each distinct value of `scale` once, in its dtype; int32 [*scale.shape]: each element's index
     into them). 16-bit scales go through a 64 Ki-entry map, two linear passes and no sort. A tensor's
     BF16 scales hold a few hundred to a few thousand distinct values, so one table per distinct value
-    is far fewer tables than one per row or group. Compiled where numba is (scaled_numba.distinct16:
-    0.3 ms against 2.3 for a [7168, 64] scale on the 2-core box), the same result."""
-    if scale.dtype.itemsize == 2 and (compiled := scaled_numba.kernels()) is not None:
+    is far fewer tables than one per row or group. Compiled where C or numba is (distinct16: numba's took
+    0.3 ms against numpy's 2.3 for a [7168, 64] scale on the 2-core box), the same result."""
+    if scale.dtype.itemsize == 2 and (loops := compiled()) is not None:
         bits = np.ascontiguousarray(scale).view(np.uint16).reshape(-1)
         values = np.empty(1 << 16, dtype=np.uint16)
         which = np.empty(bits.shape[0], dtype=np.int32)
-        count = compiled.distinct16(bits, values, which)
+        count = loops.distinct16(bits, values, which)
         return values[:count].copy().view(scale.dtype), which.reshape(scale.shape)
     if scale.dtype.itemsize != 2:
         values, where = np.unique(scale.view(f"u{scale.dtype.itemsize}"), return_inverse=True)
@@ -104,7 +110,7 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: s
     cols = packed.shape[1] * 8
     nibbles = packed.view(np.uint8).reshape(rows, cols // 2)
     group = cols // scale.shape[1] if scale.shape[1] else 0
-    compiled = scaled_numba.kernels()
+    loops = compiled()
     few = None  # (distinct scales as fp32, each group's index) where a table per distinct scale pays
     if scale.dtype.itemsize == 2 and scale.shape[0] == rows and group % 2 == 0 and group * scale.shape[1] == cols \
             and rows:
@@ -113,14 +119,14 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: s
         # finite scales make no NaN (int4 values are finite); the tables cost at most 1/8 of the output
         if np.isfinite(s).all() and len(values) * 256 <= max(rows * cols // 8, 1 << 16):
             few = s, which
-    if compiled is not None and out == "BF16" and rows and cols and group % 8 == 0:
+    if loops is not None and out == "BF16" and rows and cols and group % 8 == 0:
         result = np.empty((rows, cols), dtype=np.uint16)
         if few is not None:  # one lookup per byte: 1.67x the loop below per output byte on the 2-core box
             pairs = np.empty(len(few[0]) * 256, dtype=np.uint32)
-            compiled.int4_bf16_pairs(np.ascontiguousarray(few[0], dtype=np.float32), pairs)
-            compiled.int4_by_pairs(nibbles, pairs, few[1], group // 2, result.view(np.uint32))
+            loops.int4_bf16_pairs(np.ascontiguousarray(few[0], dtype=np.float32), pairs)
+            loops.int4_by_pairs(nibbles, pairs, few[1], group // 2, result.view(np.uint32))
             return result
-        bad = compiled.int4_bf16(packed.view(np.uint32), np.ascontiguousarray(scale_f32(scale, scale_dtype)), group,
+        bad = loops.int4_bf16(packed.view(np.uint32), np.ascontiguousarray(scale_f32(scale, scale_dtype)), group,
                                  result.view(np.uint32))
         if bad >= 0:
             raise NaNCodes(int(bad))
@@ -150,7 +156,7 @@ def _int4_numpy(nibbles: np.ndarray, scales: np.ndarray, which: np.ndarray, out:
 def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype: str, out: str) -> np.ndarray:
     """uint8 FP8 codes [M, N] and a per-row scale [M, 1] (or one [1] for the tensor) -> [M, N]: each
     distinct scale's 256 outputs computed once (kernels/fp8_cpu's own tables: the fp32 product, then
-    the rounding), then each row gathered by code from its scale's table, by numba's loop or by numpy."""
+    the rounding), then each row gathered by code from its scale's table, by a compiled loop or by numpy."""
     rows, cols = codes.shape
     values, which = distinct(scale.reshape(-1))
     distinct_f32 = scale_f32(values, scale_dtype)
@@ -158,15 +164,15 @@ def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype
     which = np.broadcast_to(which, (rows,)) if which.shape[0] != rows else which
     result = np.empty((rows, cols), dtype=CARRIERS[out])
     if rows and cols:
-        compiled = scaled_numba.kernels()
+        loops = compiled()
         which = np.ascontiguousarray(which)
-        if compiled is not None and np.isfinite(distinct_f32).all():
+        if loops is not None and np.isfinite(distinct_f32).all():
             # finite scales: an output is NaN exactly where its code is, so the codes are tested first
             bad = nan_row(codes, NAN_ABOVE[fmt])
             if bad < 0:
-                compiled.fp8_rows_plain(codes, tables, which, result.view(tables.dtype))
+                loops.fp8_rows_plain(codes, tables, which, result.view(tables.dtype))
         else:
-            gather = compiled.fp8_rows if compiled is not None else fp8_rows_numpy
+            gather = loops.fp8_rows if loops is not None else fp8_rows_numpy
             bad = gather(codes, tables, which, result.view(tables.dtype), *INF_BITS[out])
         if bad >= 0:
             raise NaNCodes(int(bad))

@@ -1,5 +1,6 @@
 """Compiled (numba) loops for the compressed-tensors and ModelOpt CPU kernels: the same bits as their
-numpy forms in kernels/scaled_cpu.py and kernels/nvfp4_cpu.py (tests/test_quant_formats.py runs both),
+numpy forms in kernels/scaled_cpu.py and kernels/nvfp4_cpu.py and their C forms in kernels/native/scaled.c,
+which come first where setup.py built them (scaled_cpu.compiled; tests/test_quant_formats.py runs all three),
 as kernels/fp8_gather.py does for FP8 blocks, and for the same reason: one pass per element without
 the GIL instead of several numpy passes. None where numba is missing or CKPTTOOL_NUMBA=0.
 
@@ -36,6 +37,13 @@ class Kernels(NamedTuple):
 @compiled_on_first_use
 def kernels(numba):
     """The Kernels compiled, or None (numba missing or CKPTTOOL_NUMBA=0)."""
+
+    @numba.njit(inline="always")
+    def bf16(u):  # pragma: no cover - compiled
+        """fp32 bits -> bf16 bits as kernels/fp8_cpu.round_to_bf16: to nearest even, a NaN kept a NaN."""
+        if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            return (u >> np.uint32(16)) | np.uint32(0x40)
+        return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def fp8_rows(codes, tables, which, out, mask, inf):  # pragma: no cover - compiled
@@ -85,7 +93,7 @@ def kernels(numba):
                     f[g * 16 + q] = np.float32(q - 8) * s[g]  # exact: a 4-bit integer times a bf16
             nan = False
             for k in range(groups * 16):  # round to nearest even on the bits, as kernels/fp8_cpu.round_to_bf16
-                t[k] = (u[k] + np.uint32(0x7FFF) + ((u[k] >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                t[k] = bf16(u[k])
                 nan |= (t[k] & m) > inf
             p = packed[i]
             o = out[i]
@@ -114,7 +122,7 @@ def kernels(numba):
             for q in range(16):
                 f[q] = np.float32(q - 8) * scales[d]
             for q in range(16):
-                t[q] = (u[q] + np.uint32(0x7FFF) + ((u[q] >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                t[q] = bf16(u[q])
             base = d << 8
             for b in range(256):
                 out[base + b] = t[b & 15] | (t[b >> 4] << np.uint32(16))

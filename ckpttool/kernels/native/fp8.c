@@ -8,9 +8,9 @@
  * the H100 machine's Xeon and the 2-core box's EPYC that ran 1.4-1.8x numba's loop per core, and the
  * same loop built for AVX2 or AVX-512 was slower: their vector gathers are slow on both CPUs
  * (bench/RESULTS.md). */
-#include <stddef.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
 
 /* out[i, j] = tables[i >> shift][((j >> shift) << 8) + codes[i, j]]: each (row block, column block)
  * has its 256 outputs in `tables` (row stride `table_stride` elements); codes and out have row strides
@@ -55,17 +55,11 @@ int32_t ckpttool_fp8_any_over(const uint64_t *restrict words, int64_t n, uint64_
     return (acc & 0x8080808080808080ULL) != 0;
 }
 
-/* out[i, k] = bf16 bits of float32(values[k] * scales[i]), rounded to nearest even in integers as
- * fp8_cpu.round_to_bf16 does (its 32-bit wrap included, so a NaN product gets the same bits too). */
+/* out[i, k] = bf16 bits of float32(values[k] * scales[i]) (bf16.h: a NaN product stays a NaN). */
 void ckpttool_bf16_tables(const float *restrict values, int64_t n, const float *restrict scales, int64_t m,
                           uint16_t *restrict out) {
     for (int64_t i = 0; i < m; i++) {
         const float s = scales[i];
-        for (int64_t k = 0; k < n; k++) {
-            const float p = values[k] * s;
-            uint32_t u;
-            memcpy(&u, &p, sizeof u);
-            out[i * n + k] = (uint16_t)((uint32_t)(u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-        }
+        for (int64_t k = 0; k < n; k++) out[i * n + k] = (uint16_t)ckpttool_bf16_bits(values[k] * s);
     }
 }
