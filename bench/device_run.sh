@@ -36,6 +36,12 @@ stamp() { echo "== $* $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)"; }
 python3 -V; nproc; free -g | head -2; df -h /dev/shm | tail -1; nvidia-smi -L
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# The image sets PYTHONDONTWRITEBYTECODE=1 and ships no bytecode: every import there compiled its module
+# from source (`import numpy` 0.35-0.40 s, `import ckpttool.cli` 0.74-0.89 s). An installed package has
+# its bytecode (pip writes it), so the runs here do too: written by the first round, read after.
+unset PYTHONDONTWRITEBYTECODE
+# the C kernels, as `pip install -e .` builds them (setup.py)
+python3 setup.py -q build_ext --inplace 2>&1 | tail -3; python3 -c "from ckpttool.kernels import native; print('C kernels:', native.library())"
 python3 -c "import numpy, numba, blake3, torch, triton, pydantic, huggingface_hub; print('numpy', numpy.__version__, 'numba', numba.__version__, 'torch', torch.__version__, 'triton', triton.__version__, 'hub', huggingface_hub.__version__)"
 
 # one conversion of $SRC (default /dev/shm/v3syn), timed from outside: NAME TREE DST [ARGS]; prints a JSON line

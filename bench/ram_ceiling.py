@@ -55,7 +55,9 @@ def write_rate(directory: Path, total: int, threads: int) -> float:
 
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault a range in, writable, in one call (an error, not SIGBUS, on failure)
-VIAS = ("pwrite", "mmap", "fallocate+pwrite", "mapped", "mapped+populate", "fallocate+mapped")
+CPU_SECONDS: dict[tuple[int, int, str], float] = {}
+"""process CPU seconds (user + system) of each shared_write_rate call"""
+VIAS = ("pwrite", "locked-pwrite", "mmap", "fallocate+pwrite", "mapped", "mapped+populate", "fallocate+mapped")
 
 
 def _libc():
@@ -90,11 +92,16 @@ def shared_write_rate(directory: Path, total: int, threads: int, files: int, via
     maps = [mmap.mmap(fd, per_file) for fd in fds] if via.endswith(("mapped", "populate")) else []
     views = [np.frombuffer(m, dtype=np.uint8) for m in maps]
     libc = _libc() if via == "mapped+populate" else None
+    locks = [threading.Lock() for _ in range(files)]
 
     def worker(t: int) -> None:
         fd, slot = fds[t % files], t // files
         offsets = range(slot * PIECE, per_file, sharers * PIECE)
-        if via.endswith("pwrite"):
+        if via == "locked-pwrite":  # one writer per file at a time, the others asleep on a lock
+            for off in offsets:
+                with locks[t % files]:
+                    os.pwrite(fd, data, off)
+        elif via.endswith("pwrite"):
             for off in offsets:
                 os.pwrite(fd, data, off)
         elif via == "mmap":
@@ -113,11 +120,12 @@ def shared_write_rate(directory: Path, total: int, threads: int, files: int, via
     def allocate(i: int) -> None:
         os.posix_fallocate(fds[i], 0, per_file)
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), os.times()
     if via.startswith("fallocate"):
         timed_threads(allocate, files)
     timed_threads(worker, threads)
-    seconds = time.perf_counter() - t0
+    seconds, cpu1 = time.perf_counter() - t0, os.times()
+    CPU_SECONDS[(threads, files, via)] = round(cpu1.user + cpu1.system - cpu0.user - cpu0.system, 2)
     views.clear()  # release the mappings before closing them
     for m in maps:
         m.close()
@@ -161,7 +169,9 @@ def main() -> None:
     writes = {int(n): round(write_rate(a.dir, int(a.gb * 1e9), int(n)), 2) for n in a.threads.split(",")}
     shared = {f"{n} threads, {f} files, {via}": round(shared_write_rate(a.dir, int(a.gb * 1e9), n, f, via), 2)
               for n, f in a.shared for via in a.via.split(",")}
-    print(json.dumps({"write_gbps": writes, "shared_write_gbps": shared, "hash_gbps_one_thread": hash_rates(),
+    print(json.dumps({"write_gbps": writes, "shared_write_gbps": shared,
+                      "shared_write_cpu_s": {f"{n} threads, {f} files, {via}": c for (n, f, via), c in CPU_SECONDS.items()},
+                      "hash_gbps_one_thread": hash_rates(),
                       "cores": os.cpu_count()}))
 
 

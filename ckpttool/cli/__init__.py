@@ -13,6 +13,10 @@ import threading
 # it (no CPU path here calls BLAS; verify's torch has its own MKL threads). On the 2-core box they
 # took 7% of a shard's CPU time (3% of its wall). A value the user set is kept.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# pydantic validates only our own recipes here, and its plugin lookup reads every installed package's
+# entry points when the first model is built: 0.05-0.15 s of each run's start in the H100 machine's
+# environment of 197 packages (bench/RESULTS.md). A value the user set is kept.
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
 import click  # noqa: E402
 import typer  # noqa: E402
