@@ -71,6 +71,8 @@ def shared_write_rate(directory: Path, total: int, threads: int, files: int, via
     the conversion's staging does), the pieces of each file interleaved between its threads, by `via`:
     - "pwrite": every write takes the file's inode lock (tmpfs serialises writers to one file), and
       allocates and zeroes its pages under it;
+    - "locked-pwrite": the same, each file's writers queued on a Python lock first, so only one thread
+      at a time is in the kernel for a file (the others sleep rather than spin on the inode lock);
     - "mmap": each thread maps each piece's region, copies, unmaps (a fault per page, and a TLB
       shootdown per unmap);
     - "fallocate+pwrite": each file's pages allocated first (one thread per file, inside the time),
@@ -80,6 +82,9 @@ def shared_write_rate(directory: Path, total: int, threads: int, files: int, via
     - "fallocate+mapped": pages allocated first, then copies into the mappings."""
     import numpy as np
 
+    if threads % files:
+        raise SystemExit(f"--shared {threads}:{files}: threads must be a multiple of files (each file's pieces are "
+                         "dealt out between its threads)")
     directory.mkdir(parents=True, exist_ok=True)
     data = np.frombuffer(os.urandom(PIECE), dtype=np.uint8)
     per_file = total // files // (PIECE * (threads // files)) * PIECE * (threads // files)

@@ -508,6 +508,29 @@ def test_cpu_conversion_never_imports_torch(tiny_v3_no_mtp, tmp_path):
     assert_same_tensors(load_dir(tmp_path / "o"), load_dir(ref))
 
 
+def test_with_the_c_kernels_a_conversion_never_imports_numba(tiny_v3_no_mtp, tmp_path):
+    """numba's import and the load of its cached kernels were 0.4-0.8 s of every run's start-up; where the
+    install built the C loops, a conversion of FP8 blocks never loads it, and writes the bytes the numba
+    path (CKPTTOOL_NATIVE=0) writes."""
+    import subprocess
+    import sys
+
+    from ckpttool.kernels import native
+
+    if native.library() is None:
+        pytest.skip("the C kernels were not built: setup.py found no C compiler at install")
+    pytest.importorskip("numba")
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPTTOOL_NATIVE", "CKPTTOOL_NUMBA")}
+    for out, native_env, loaded in (("c", "1", False), ("numba", "0", True)):
+        code = ("import sys; from ckpttool.cli import main; "
+                f"rc = main(['convert', {str(tiny_v3_no_mtp)!r}, {str(tmp_path / out)!r}, '--mp', '2', '--device', "
+                f"'cpu', '-q']); assert rc == 0, rc; assert ('numba' in sys.modules) == {loaded}, sorted(sys.modules)")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**env, "CKPTTOOL_NATIVE": native_env})
+        assert proc.returncode == 0, (out, proc.stderr[-2000:])
+    assert_same_tensors(load_dir(tmp_path / "c"), load_dir(tmp_path / "numba"))
+
+
 def test_usage_errors_are_messages_not_tracebacks():
     from conftest import run_cli_process
 

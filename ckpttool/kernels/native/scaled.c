@@ -90,6 +90,14 @@ void ckpttool_int4_bf16_pairs(const float *restrict scales, int64_t count, uint3
 
 /* nibbles [rows, groups * half_group] bytes, which [rows, groups] -> out [rows, groups * half_group]:
  * each byte looked up in its group's pair table (ckpttool_int4_bf16_pairs). */
+#define BY_PAIRS(N)                                                                                     \
+    for (int64_t g = 0; g < groups; g++) {                                                              \
+        const uint32_t *restrict tb = pairs + ((int64_t)w[g] << 8);                                     \
+        const uint8_t *restrict pb = p + g * (N);                                                       \
+        uint32_t *restrict ob = o + g * (N);                                                            \
+        for (int64_t j = 0; j < (N); j++) ob[j] = tb[pb[j]];                                            \
+    }
+
 void ckpttool_int4_by_pairs(const uint8_t *restrict nibbles, int64_t nibble_stride, const uint32_t *restrict pairs,
                             const int32_t *restrict which, int64_t which_stride, int64_t rows, int64_t groups,
                             int64_t half_group, uint32_t *restrict out, int64_t out_stride) {
@@ -97,11 +105,10 @@ void ckpttool_int4_by_pairs(const uint8_t *restrict nibbles, int64_t nibble_stri
         const uint8_t *restrict p = nibbles + i * nibble_stride;
         const int32_t *restrict w = which + i * which_stride;
         uint32_t *restrict o = out + i * out_stride;
-        for (int64_t g = 0; g < groups; g++) {
-            const uint32_t *restrict tb = pairs + ((int64_t)w[g] << 8);
-            const uint8_t *restrict pb = p + g * half_group;
-            uint32_t *restrict ob = o + g * half_group;
-            for (int64_t j = 0; j < half_group; j++) ob[j] = tb[pb[j]];
+        switch (half_group) { /* groups of 32 and 128 values (compressed-tensors' usual sizes): constant trips */
+        case 16: BY_PAIRS(16); break;
+        case 64: BY_PAIRS(64); break;
+        default: BY_PAIRS(half_group);
         }
     }
 }
