@@ -531,6 +531,21 @@ def test_with_the_c_kernels_a_conversion_never_imports_numba(tiny_v3_no_mtp, tmp
     assert_same_tensors(load_dir(tmp_path / "c"), load_dir(tmp_path / "numba"))
 
 
+def test_a_run_on_numpys_loops_says_so_and_how_to_get_compiled_ones(tiny_v3_no_mtp, tmp_path):
+    """pip hides why the C loops were not built; a conversion that then ran numpy's says it, and
+    `--json` counts the chunks by the loops that dequantized them."""
+    from conftest import run_cli_process
+
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPTTOOL_NATIVE", "CKPTTOOL_NUMBA")}
+    slow = run_cli_process("convert", tiny_v3_no_mtp, tmp_path / "a", "--mp", "2", "--device", "cpu",
+                           env={**env, "CKPTTOOL_NATIVE": "0", "CKPTTOOL_NUMBA": "0"})
+    assert slow.returncode == 0 and "numpy's loops" in slow.stdout and "install gcc" in slow.stdout, slow.stdout
+    fast = run_cli_process("convert", tiny_v3_no_mtp, tmp_path / "b", "--mp", "2", "--device", "cpu", "--json", env=env)
+    assert fast.returncode == 0 and "numpy's loops" not in fast.stdout, fast.stderr
+    counts = json.loads(fast.stdout)["timing"]["counts"]
+    assert not counts.get("chunks_by_cpu_loops_numpy") and sum(v for k, v in counts.items() if k.startswith("chunks_by_cpu")) > 0
+
+
 def test_usage_errors_are_messages_not_tracebacks():
     from conftest import run_cli_process
 

@@ -31,7 +31,7 @@ from ckpttool.execute.staging import Staging
 from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS, QuantFormat, with_leaf
 from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.io.safetensors import TensorInfo, array_from_bytes
-from ckpttool.kernels import fp8_cpu
+from ckpttool.kernels import fp8_cpu, fp8_gather
 from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.plan.types import PlacedTensor, Plan
 
@@ -256,6 +256,8 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                 scale = scale_full[s0:s1] if scale_full is not None else \
                     inputs.read_rows(task.scale_file, task.scale_info, s0, s1)
         if fmt is not None:
+            if gpu is None:
+                clock.count(f"chunks_by_cpu_loops_{fp8_gather.cpu_loops()}")
             with clock.activity("transform"):
                 try:
                     if gpu is not None:

@@ -23,6 +23,14 @@ _STEP_ELEMENTS = 1 << 20
 """numpy path: elements per step, bounding its int64 index temporary to 8 MiB"""
 
 
+def cpu_loops() -> str:
+    """Which form the CPU dequant's loops take in this process: "C", "numba" or "numpy" (neither built:
+    about 3x slower than numba). Where C is built, numba is never imported."""
+    if native.library() is not None:
+        return "C"
+    return "numba" if _numba_gather() is not None else "numpy"
+
+
 def kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None:
     """The compiled gather `(codes, tables, out, shift)`, C or numba, or None (then gather_numpy)."""
     return native.gather if native.library() is not None else _numba_gather()
