@@ -81,8 +81,7 @@ def _flat(a: np.ndarray, dtype, name: str, size: int | None = None) -> None:
 def gather(codes: np.ndarray, tables: np.ndarray, out: np.ndarray, shift: int) -> None:
     """out[i, j] = tables[i >> shift, ((j >> shift) << 8) + codes[i, j]], as fp8_gather's numba kernel;
     tables and out are both uint16 or both uint32."""
-    lib = _load()
-    fn = {np.dtype(np.uint16): lib.ckpttool_fp8_gather_u16, np.dtype(np.uint32): lib.ckpttool_fp8_gather_u32}[tables.dtype]
+    fn = getattr(_load(), f"ckpttool_fp8_gather_{_SUFFIX[tables.dtype]}")
     rows, cols = codes.shape
     if out.shape != codes.shape or not 0 <= shift < 31:
         raise ValueError(f"gather: codes {codes.shape}, out {out.shape}, shift {shift}")
