@@ -28,7 +28,7 @@ Dst = Annotated[Path, typer.Argument(help="Output directory; must be empty or ab
 Mp = Annotated[Optional[int], typer.Option("--mp", min=1, help="Model-parallel ranks: write model{i}-mp{N}.safetensors.")]
 Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda: where dequant runs, the same bits on each. auto: the CPU (numpy, "
                                                     "no torch import), unless a GPU is there and the job is big for "
-                                                    "the cores (from about 21 GB of output on 2 cores, 110 GB on 4; "
+                                                    "the cores (from about 29 GB of output on 2 cores, 520 GB on 4; "
                                                     "never on 8+).")]
 MaxMemory = Annotated[Optional[str], typer.Option(
     "--max-memory", help=f"Memory budget for tensors in flight, e.g. 8GiB (default {defaults.MAX_MEMORY}).")]

@@ -10,9 +10,10 @@ from ckpttool.errors import InputError
 
 # `--device auto`'s model of one dequantizing conversion, RAM to RAM, from measurements on the H100 machine
 # (bench/RESULTS.md, 2026-11-23 and 2026-11-24: 2, 4, 8 and 16 of its CPUs, a 2.56 GB and an 18.46 GB output)
-AUTO_CPU_GB_S_PER_CORE = 0.7
-"""GB of output per second per core on the CPU path: 0.72 measured at 2 cores, 0.63 at 4 (with the gather
-of 2026-11-24; before it 0.62, 0.55 and at 8 cores 0.47)"""
+AUTO_CPU_GB_S_PER_CORE = 0.8
+"""GB of output per second per core on the CPU path: with the C loops 0.68-0.86 measured at 2 cores and 0.83
+at 4 (2026-11-24, fourth session; with numba's 0.72 and 0.63, and before its faster gather 0.62, 0.55 and
+at 8 cores 0.47)"""
 AUTO_GPU_START_S = 6.5
 """import torch, the CUDA context, the first Triton compile: 5-6.4 s fitted, during which the CPU converts"""
 
@@ -26,8 +27,8 @@ def auto_gpu_gb_s(cores: int) -> float:
 def auto_uses_gpu(cores: int, out_bytes: int) -> bool:
     """Whether the GPU's start pays for itself: start + out / gpu < out / cpu. From 8 cores up the CPU
     path is as fast as the CUDA path's CPU side, so never (at 8 cores, in 10 s the GPU took no chunk);
-    at 2 cores from about 21 GB of output (measured, CUDA against CPU: 18.46 GB 18.0 s against 12.9 s;
-    2.56 GB 6.2 against 4.1), at 4 from about 110 GB (18.46 GB: 10.9 s against 7.3 s)."""
+    at 2 cores from about 29 GB of output (measured, CUDA against CPU: 18.46 GB 13.6 s against 11.2-14.0 s;
+    2.56 GB 4.7 against 2.0-2.7), at 4 from about 520 GB (18.46 GB: 8.1 s against 6.0-6.1 s)."""
     cpu, gpu = AUTO_CPU_GB_S_PER_CORE * cores, auto_gpu_gb_s(cores)
     return gpu > cpu and out_bytes / 1e9 * (1 / cpu - 1 / gpu) > AUTO_GPU_START_S
 
