@@ -257,7 +257,7 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                     inputs.read_rows(task.scale_file, task.scale_info, s0, s1)
         if fmt is not None:
             if gpu is None:
-                clock.count(f"chunks_by_cpu_loops_{fp8_gather.cpu_loops()}")
+                clock.count(f"chunks_by_cpu_loops_{fp8_gather.cpu_loops() if fmt.cpu_compiled else 'numpy_only'}")
             with clock.activity("transform"):
                 try:
                     if gpu is not None:

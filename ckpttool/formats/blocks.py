@@ -84,5 +84,5 @@ MXFP4 = QuantFormat(
     check=_check_mxfp4, out_shape=lambda s: (s[0], s[2] * VALUES_PER_BLOCK, s[1]), companion=None,
     row_align=1, scale_rows=lambda r0, r1: (r0, r1), scale_whole=False,
     out_per_source_row=lambda shape: math.prod(shape[1:]) * 2,  # [.., G, 16] bytes -> G * 32 values
-    cpu=_mxfp4_cpu, cuda=_mxfp4_cuda, example=_mxfp4_example,
+    cpu=_mxfp4_cpu, cpu_compiled=False, cuda=_mxfp4_cuda, example=_mxfp4_example,
 )

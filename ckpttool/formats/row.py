@@ -77,6 +77,9 @@ class QuantFormat:
     """what is wrong with a global scale's value (None: nothing)"""
     shape_leaf: str | None = None
     """the dequantized shape stored as a tensor (compressed-tensors' `weight_shape`): checked at plan time"""
+    cpu_compiled: bool = True
+    """`cpu` runs compiled loops where they are built (kernels/native, numba); False: numpy's only (MXFP4),
+    counted as `chunks_by_cpu_loops_numpy_only` in a run's timing"""
     dropped_leaves: tuple[str, ...] = ()
     """activation scales: meaningless once the weight is BF16, dropped with it when present"""
     keepable: bool = True
