@@ -184,7 +184,7 @@ def test_nan_scales_of_every_payload_are_refused(nan, cpu_path):
 
 
 def test_distinct_scales_are_the_same_compiled_or_not(monkeypatch):
-    """scaled_cpu.distinct, compiled for 16-bit scales (numba) and in numpy: the same values in the same
+    """scaled_cpu.distinct, compiled for 16-bit scales (C, numba) and in numpy: the same values in the same
     order and the same index per element, every bit pattern included (NaNs, infinities, both zeros)."""
     gen = np.random.default_rng(3)
     bits = np.concatenate([gen.integers(0, 1 << 16, 5000), np.arange(1 << 16)[::7]]).astype(np.uint16)
