@@ -227,7 +227,8 @@ def test_a_nan_code_is_found_in_its_row_wherever_it_lies(cpu_kernels):
         fp8_cpu.dequant(zero, inf_scale, "F8_E4M3", "BF16")
 
 
-def test_compiled_gathers_equal_numpy_for_any_block_and_row_stride(cpu_kernels):
+@pytest.mark.parametrize("compiled", ["C", "numba"])
+def test_compiled_gathers_equal_numpy_for_any_block_and_row_stride(compiled, monkeypatch):
     """The compiled gather (C's constant 128-column loop and its general one, numba's) against numpy's for
     blocks of 32 to 256 columns, partial last blocks, and codes and output that are row slices of wider
     arrays: the same bits, and nothing written outside the output's columns."""
@@ -235,8 +236,9 @@ def test_compiled_gathers_equal_numpy_for_any_block_and_row_stride(cpu_kernels):
 
     from ckpttool.kernels import fp8_gather
 
-    if cpu_kernels == "numpy":
-        pytest.skip("compares the compiled gathers with numpy's")
+    monkeypatch.setenv("CKPTTOOL_NATIVE", "1" if compiled == "C" else "0")
+    if fp8_gather.cpu_loops() != compiled:
+        pytest.skip(f"{compiled} is not there: " + ("no C compiler at install" if compiled == "C" else "numba is not installed (or CKPTTOOL_NUMBA=0)"))
     rng = np.random.default_rng(5)
     for block in (32, 64, 128, 256):
         for rows, cols in ((1, 1), (block + 3, 2 * block + 5), (2 * block, 3 * block)):
