@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from ckpttool.kernels import native
+from ckpttool.kernels import native, numba_jit
 from ckpttool.kernels.numba_jit import compiled_on_first_use
 
 _STEP_ELEMENTS = 1 << 20
@@ -25,10 +25,10 @@ _STEP_ELEMENTS = 1 << 20
 
 def cpu_loops() -> str:
     """Which form the CPU dequant's loops take in this process: "C", "numba" or "numpy" (neither built:
-    about 3x slower than numba). Where C is built, numba is never imported."""
+    about 3x slower than numba). Where C is built, numba is never imported; no kernel is built to tell."""
     if native.library() is not None:
         return "C"
-    return "numba" if _numba_gather() is not None else "numpy"
+    return "numba" if numba_jit.in_use() else "numpy"
 
 
 def kernel() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None] | None:

@@ -5,6 +5,7 @@ CKPTTOOL_NUMBA=0, each kernel's getter returns None and its caller runs numpy in
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -14,24 +15,34 @@ K = TypeVar("K")
 _lock = threading.Lock()
 
 
+def in_use() -> bool:
+    """Whether numba's loops run in this process: it imports, and CKPTTOOL_NUMBA=0 (read on every call,
+    so tests can flip it) does not turn it off. Imports numba but builds no kernel."""
+    return os.environ.get("CKPTTOOL_NUMBA", "1") != "0" and _numba() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _numba():
+    try:
+        import numba
+    except ImportError:
+        return None
+    return numba
+
+
 def compiled_on_first_use(build: Callable[..., K]) -> Callable[[], K | None]:
     """A getter for build(numba)'s kernels: built once, by the first thread to ask (the others wait
     for it rather than compile again; njit(cache=True) makes later processes load from disk), or
-    None where numba does not import or CKPTTOOL_NUMBA=0 (read on every call, so tests can flip it)."""
+    None where numba is not in use (`in_use`)."""
     built: list = []
 
     def get() -> K | None:
-        if os.environ.get("CKPTTOOL_NUMBA", "1") == "0":
+        if not in_use():
             return None
         with _lock:
             if not built:
-                try:
-                    import numba
-                except ImportError:
-                    built.append(None)
-                else:
-                    _registries_without_scipy_blas()
-                    built.append(build(numba))
+                _registries_without_scipy_blas()
+                built.append(build(_numba()))
             return built[0]
 
     get.__doc__ = build.__doc__
