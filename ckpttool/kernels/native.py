@@ -109,28 +109,29 @@ def bf16_tables(values: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None
 
 # -- scaled_numba.Kernels in C: the same signatures, so kernels/scaled_cpu.py and nvfp4_cpu.py call either --
 
-def _which(which: np.ndarray, rows: int, count: int) -> None:
-    _flat(which, np.int32, "which", rows)
-    if rows and not (0 <= int(which[:rows].min()) and int(which[:rows].max()) < count):
+def _tables_for(which: np.ndarray, count: int) -> None:
+    """Every entry of `which` indexes one of `count` tables."""
+    if which.size and not (0 <= int(which.min()) and int(which.max()) < count):
         raise ValueError(f"which: table indices outside [0, {count})")
 
 
-def fp8_rows(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray, mask: int, inf: int) -> int:
+def _fp8_rows_args(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray) -> tuple:
+    """The arguments fp8_rows and fp8_rows_plain share, checked."""
     rows, cols = codes.shape
     _rows(tables, tables.dtype, "tables", (tables.shape[0], 256))
-    _which(which, rows, tables.shape[0])
+    _flat(which, np.int32, "which", rows)
+    _tables_for(which[:rows], tables.shape[0])
+    return (codes.ctypes.data, _rows(codes, np.uint8, "codes"), tables.ctypes.data, which.ctypes.data, out.ctypes.data,
+            _rows(out, tables.dtype, "out", (rows, cols)), rows, cols)
+
+
+def fp8_rows(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray, mask: int, inf: int) -> int:
     fn = getattr(_load(), f"ckpttool_fp8_rows_{_SUFFIX[tables.dtype]}")
-    return fn(codes.ctypes.data, _rows(codes, np.uint8, "codes"), tables.ctypes.data, which.ctypes.data, out.ctypes.data,
-              _rows(out, tables.dtype, "out", (rows, cols)), rows, cols, mask, inf)
+    return fn(*_fp8_rows_args(codes, tables, which, out), mask, inf)
 
 
 def fp8_rows_plain(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray) -> None:
-    rows, cols = codes.shape
-    _rows(tables, tables.dtype, "tables", (tables.shape[0], 256))
-    _which(which, rows, tables.shape[0])
-    fn = getattr(_load(), f"ckpttool_fp8_rows_{_SUFFIX[tables.dtype]}_plain")
-    fn(codes.ctypes.data, _rows(codes, np.uint8, "codes"), tables.ctypes.data, which.ctypes.data, out.ctypes.data,
-       _rows(out, tables.dtype, "out", (rows, cols)), rows, cols)
+    getattr(_load(), f"ckpttool_fp8_rows_{_SUFFIX[tables.dtype]}_plain")(*_fp8_rows_args(codes, tables, which, out))
 
 
 def int4_bf16(packed: np.ndarray, scale: np.ndarray, group: int, out: np.ndarray) -> int:
@@ -157,8 +158,7 @@ def int4_by_pairs(nibbles: np.ndarray, pairs: np.ndarray, which: np.ndarray, hal
         raise ValueError(f"int4_by_pairs: {groups} groups of {half_group} bytes for {half} bytes a row")
     _flat(pairs, np.uint32, "pairs")
     which_stride = _rows(which, np.int32, "which", (rows, groups))
-    if which.size and not (0 <= int(which.min()) and int(which.max()) < pairs.shape[0] // 256):
-        raise ValueError(f"which: table indices outside [0, {pairs.shape[0] // 256})")
+    _tables_for(which, pairs.shape[0] // 256)
     _load().ckpttool_int4_by_pairs(nibbles.ctypes.data, _rows(nibbles, np.uint8, "nibbles"), pairs.ctypes.data,
                                    which.ctypes.data, which_stride, rows, groups, half_group, out.ctypes.data,
                                    _rows(out, np.uint32, "out", (rows, half)))
