@@ -9,30 +9,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
-import time
 
 import numpy as np
+
+from bench.ram_ceiling import timed_threads
 
 
 def rate(threads: int, nbytes: int, reps: int) -> float:
     src = [np.ones(nbytes, dtype=np.uint8) for _ in range(threads)]
     dst = [np.ones(nbytes, dtype=np.uint8) for _ in range(threads)]
-    barrier = threading.Barrier(threads + 1)
 
     def work(i: int) -> None:
-        barrier.wait()
         for _ in range(reps):
             np.copyto(dst[i], src[i])
 
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in ts:
-        t.join()
-    return threads * reps * nbytes / (time.perf_counter() - t0) / 1e9
+    return threads * reps * nbytes / timed_threads(work, threads) / 1e9
 
 
 def main() -> None:
