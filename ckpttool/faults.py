@@ -1,6 +1,7 @@
-"""Failpoints for crash-safety tests: CKPTTOOL_FAULT=point:n[:action] makes the n-th hit of a named
+"""Failpoints for crash-safety tests: CKPTTOOL_FAULT=point:n[:action][@rank] makes the n-th hit of a named
 point kill the process (action `kill`, the default: SIGKILL, no cleanup) or raise ENOSPC (`enospc`), or
-stop it (`stop`: SIGSTOP, to hold a run mid-write).
+stop it (`stop`: SIGSTOP, to hold a run mid-write). Hits count per process; `@rank` arms it only in that
+rank of a run split over forked processes (execute/forked.py; 0 is the parent), else in every process.
 Unset, each point costs one dict lookup."""
 
 from __future__ import annotations
@@ -12,15 +13,20 @@ import threading
 
 _spec = os.environ.get("CKPTTOOL_FAULT")
 _target = None
+_rank = None
 if _spec:
+    _spec, _, _only = _spec.partition("@")
     _name, _n, *_action = _spec.split(":")
     _target = (_name, int(_n), _action[0] if _action else "kill")
+    _rank = int(_only) if _only else None
+RANK = 0
+"""this process's rank in a forked run (forked._child sets it)"""
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
 
 
 def point(name: str) -> None:
-    if _target is None or _target[0] != name:
+    if _target is None or _target[0] != name or _rank not in (None, RANK):
         return
     with _lock:
         _counts[name] = _counts.get(name, 0) + 1

@@ -113,7 +113,8 @@ STAGE_KINDS = tuple(Stage.model_fields)
 
 class Execution(_Strict):
     max_memory: str = defaults.MAX_MEMORY
-    workers: Optional[int] = Field(None, ge=1, le=256)  # None: defaults.workers(): a core each up to 12, then all but 4, at most 16
+    workers: Optional[int] = Field(None, ge=1, le=256)  # in all processes; None: defaults.layout
+    processes: Optional[int] = Field(None, ge=1, le=64)  # forked processes sharing the files; None: defaults.layout
     device: Literal["auto", "cpu", "cuda"] = defaults.DEVICE
 
     @field_validator("max_memory")
@@ -182,7 +183,7 @@ class Recipe(_Strict):
 
 PRESET_FLAGS = {"stages.shard.mp": "--mp", "stages.download.max_input_files": "--max-input-files", "stages.merge.max_shard_size": "--max-shard-size",
                 "stages.verify.device": "--device", "execution.max_memory": "--max-memory",
-                "execution.workers": "--workers", "execution.device": "--device"}
+                "execution.workers": "--workers", "execution.processes": "--processes", "execution.device": "--device"}
 """the recipe keys command flags set (preset), for errors worded as the flags the user typed"""
 
 
@@ -192,8 +193,8 @@ INPUT = "input"
 
 def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp: bool | None = None,
            merge_max_shard_size: str | None = None, verify_device: str | None = None,
-           max_memory: str | None = None, workers: int | None = None, device: str = defaults.DEVICE,
-           max_input_files: int | None = None) -> Recipe:
+           max_memory: str | None = None, workers: int | None = None, processes: int | None = None,
+           device: str = defaults.DEVICE, max_input_files: int | None = None) -> Recipe:
     """The recipe a command's flags stand for (`ckpttool convert --mp 8` is a dequant + shard recipe)."""
     stages: list[dict] = []
     if max_input_files is not None:  # only said for a hub input; a repo id streams without it too
@@ -211,6 +212,8 @@ def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp:
     execution: dict = {"device": device}
     if workers is not None:
         execution["workers"] = workers
+    if processes is not None:
+        execution["processes"] = processes
     if max_memory:
         execution["max_memory"] = max_memory
     return validate_recipe({"name": name, "mtp": {None: "auto", True: "keep", False: "drop"}[keep_mtp], "stages": stages,

@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ckpttool import defaults
 from ckpttool.errors import CkptError, InputError, OutputError, RecipeError
 from ckpttool.execute.distributed import Group, assign_files, world
 from ckpttool.execute.executor import execute
+from ckpttool.execute.forked import ForkedRanks, layout, rank_share
+from ckpttool.execute.osutil import in_memory_fs
 from ckpttool.execute.staging import Staging
 from ckpttool.execute.tasks import make_tasks
 from ckpttool.dtypes import itemsize
@@ -47,7 +49,8 @@ Job = Spec | MergeSpec
 @dataclass(kw_only=True)
 class ExecOptions:
     max_memory: int = defaults.parse_size(defaults.MAX_MEMORY)
-    workers: int = field(default_factory=defaults.workers)
+    workers: int | None = None  # in all processes; None: defaults.layout's
+    processes: int | None = None  # forked processes sharing the output files; None: defaults.layout's
     device: str = defaults.DEVICE
     overwrite: bool = False
     resume: bool = False
@@ -58,7 +61,7 @@ class ExecOptions:
 
     @classmethod
     def from_recipe(cls, ex: Execution, **flags) -> "ExecOptions":
-        return cls(max_memory=defaults.parse_size(ex.max_memory), workers=ex.workers or defaults.workers(),
+        return cls(max_memory=defaults.parse_size(ex.max_memory), workers=ex.workers, processes=ex.processes,
                    device=ex.device, **flags)
 
 
@@ -86,6 +89,7 @@ class RunResult:
     already_complete: bool = False
     timings: Timings | None = None
     download: dict | None = None  # converting from a repo id: what was fetched, how fast, the peak disk
+    processes: int = 1  # forked processes that shared the output files (defaults.layout)
 
     def summary(self) -> dict:
         return {
@@ -97,6 +101,7 @@ class RunResult:
             "seconds": round(self.seconds, 3),
             "gb_per_s": round(self.bytes_written / max(self.seconds, 1e-9) / 1e9, 3),
             "resumed_tensors": self.resumed_from,
+            "processes": self.processes,
             "already_complete": self.already_complete,
             "plan_hash": self.plan.hash,
             "notes": self.plan.notes,
@@ -222,10 +227,12 @@ def plan_report(src, job: Job, recipe: Recipe, dst: Path | None) -> dict:
     """The plan, what it will write, and the disk and peak memory it needs: from headers alone (a
     hub.remote.RemoteRepo's too, with the disk of streaming it and of downloading it first)."""
     budget = defaults.parse_size(recipe.execution.max_memory)
-    workers = recipe.execution.workers or defaults.workers()
     streamed = not isinstance(src, Path)
     with _open_inputs(src, job) as inputs:
         plan = job.plan(inputs)
+        processes, workers = defaults.layout(len(plan.files), recipe.execution.workers, recipe.execution.processes,
+                                             can_split=not streamed, to_memory=dst is not None and in_memory_fs(dst))
+        workers *= processes
         check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)
         task_mem = sorted((t.memory() for t in make_tasks(plan, inputs, set(), set())), reverse=True)
     peak = min(budget, sum(task_mem[:workers])) if task_mem else 0
@@ -319,12 +326,22 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
         if staging is None:  # a rank > 0 joins what rank 0 set up
             staging = Staging(dst, plan, resume=True, rank=group.rank, timings=clock, inputs=inputs.fingerprint())
         mine = assign_files(plan, group.world_size)[group.rank] if group.world_size > 1 else None
+        device, processes, workers = layout(plan, dst, opts.device, opts.workers, opts.processes,
+                                            one_process=streamed or group.world_size > 1)
+        ranks: ForkedRanks | None = None
         ok = False
         try:
+            if processes > 1:  # before this process starts a thread (staging.open_files starts the hashes)
+                shares = assign_files(plan, processes)
+                mine = shares[0]
+                ranks = ForkedRanks(processes, rank_share(staging, plan, inputs, shares, device, workers,
+                                                          opts.max_memory // processes, opts.chunk_bytes),
+                                    dst / PARTIAL_DIR)
             staging.open_files(mine)
             resumed = len(staging.done)
+            counted = mine if ranks is None else None  # the progress shown is of every rank's files
             todo = sum(p.end - p.start for f in plan.files if f.name not in staging.published
-                       and (mine is None or f.name in mine)
+                       and (counted is None or f.name in counted)
                        for p in f.tensors if (f.name, p.tensor.name) not in staging.done)
             if group.rank == 0 and opts.resume:
                 check_free_space(dst, todo + copies + SPACE_MARGIN)
@@ -332,14 +349,23 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
             with Progress(todo, label, quiet=opts.quiet) as progress, clock.phase("execute"):
                 if streamed:
                     inputs.start(progress.add_row("downloading", inputs.plan_fetches(staging, mine)))
-                execute(plan, inputs, staging, max_memory=opts.max_memory, workers=opts.workers,
-                        device=opts.device, progress=progress.advance, files=mine, chunk_bytes=opts.chunk_bytes,
-                        wait_for_cuda=opts.wait_for_cuda)
+                if ranks is not None:
+                    ranks.forward(progress.advance)
+                execute(plan, inputs, staging, max_memory=opts.max_memory // processes, workers=workers,
+                        device=device, progress=progress.advance, files=mine, chunk_bytes=opts.chunk_bytes,
+                        wait_for_cuda=opts.wait_for_cuda, abort=ranks.abort if ranks is not None else None)
                 if streamed:
                     download = inputs.finish()
+                if ranks is not None:
+                    for report in ranks.wait():
+                        clock.merge(report)
             with clock.phase("hash_wait"):
                 staging.save_digests()
             ok = True
+        except BaseException:
+            if ranks is not None:
+                ranks.kill()
+            raise
         finally:
             staging.close_files()
             everyone_ok = group.all_ok(ok)
@@ -354,4 +380,4 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
             staging.close()
         group.all_ok(True)  # nobody returns before the output is published
     return RunResult(plan, dst, time.monotonic() - started, todo, resumed_from=resumed, timings=clock,
-                     download=download)
+                     download=download, processes=processes)

@@ -13,7 +13,7 @@ from ckpttool.execute.staging import JOURNAL
 from ckpttool.io.layout import MANIFEST, PARTIAL_DIR
 from conftest import run_cli, run_cli_process
 
-CONVERT = ("--mp", "2", "--dtype", "bf16", "--quiet", "--workers", "2")
+CONVERT = ("--mp", "2", "--dtype", "bf16", "--quiet", "--workers", "2", "--processes", "1")  # faults count per process
 # 21 points: inside files (n-th tensor write), journal commits, between published files, among the
 # copied tokenizer/config files, and just before the manifest.
 KILL_POINTS = ([f"pwrite:{n}" for n in (1, 2, 7, 19, 40, 66, 90, 100, 121, 134)]

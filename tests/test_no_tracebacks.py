@@ -139,7 +139,7 @@ def test_huge_config_counts_fail_fast(bad):
 def test_ctrl_c_says_the_work_is_journalled_and_how_to_resume(tiny_v3, tmp_path):
     dst = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "ckpttool", "convert", str(tiny_v3), str(dst), "--mp", "2",
-                             "--quiet", "--workers", "2"],
+                             "--quiet", "--workers", "2", "--processes", "1"],
                             env={**os.environ, "CKPTTOOL_FAULT": "pwrite:20:stop"}, stderr=subprocess.PIPE, text=True,
                             # a shell's background job ignores SIGINT, and so would its children: a terminal's does not
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

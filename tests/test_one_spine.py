@@ -20,7 +20,7 @@ from ckpttool.recipe import load_recipe, preset, validate_recipe
 from ckpttool.runner import ExecOptions
 from conftest import REPO, run_cli, run_cli_process
 
-MERGE = ("--quiet", "--workers", "2")
+MERGE = ("--quiet", "--workers", "2", "--processes", "1")  # faults count per process
 
 
 def _tree(path):
@@ -137,10 +137,12 @@ def test_one_source_of_defaults(tmp_path):
     recipe = load_recipe(REPO / "recipes" / "deepseek-v3-mp8-bf16.yaml")
     from_file = ExecOptions.from_recipe(recipe.execution)
     from_flags = ExecOptions.from_recipe(preset("convert", dequant=True, mp=8).execution)
-    assert from_file.workers == from_flags.workers == ExecOptions().workers == defaults.workers()
+    assert from_file.workers is from_flags.workers is ExecOptions().workers is None  # defaults.layout decides
+    assert from_file.processes is from_flags.processes is ExecOptions().processes is None
     assert from_flags.max_memory == ExecOptions().max_memory == defaults.parse_size(defaults.MAX_MEMORY)
     assert from_file.device == from_flags.device == ExecOptions().device == defaults.DEVICE
     assert ExecOptions.from_recipe(preset("convert", workers=3).execution).workers == 3
+    assert ExecOptions.from_recipe(preset("convert", processes=2).execution).processes == 2
     with pytest.raises(ValueError, match="as a size"):
         defaults.parse_size("1e400GiB")
 

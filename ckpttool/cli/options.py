@@ -34,8 +34,14 @@ MaxMemory = Annotated[Optional[str], typer.Option(
     "--max-memory", help=f"Memory budget for tensors in flight, e.g. 8GiB (default {defaults.MAX_MEMORY}).")]
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", min=1,
-    help=f"Parallel tensor workers (default: one per core this process may use up to 12, then all cores but 4, "
-         f"at most {defaults.MAX_WORKERS}).")]
+    help=f"Parallel tensor workers, in all processes (default: in one process one per core this process may use "
+         f"up to 12, then all cores but 4, at most {defaults.MAX_WORKERS}; split over processes, one per core).")]
+Processes = Annotated[Optional[int], typer.Option(
+    "--processes", min=1,
+    help=f"Processes sharing the output files, each with its own Python interpreter lock (default, writing into "
+         f"tmpfs: one per {defaults.CORES_PER_PROCESS} cores from {defaults.FORK_FROM_CORES} cores up, at most "
+         f"{defaults.MAX_PROCESSES} and one per output file; else one. Always one on the GPU, from the hub, under "
+         f"torchrun or off Linux). The same bytes either way.")]
 MaxInputFiles = Annotated[Optional[int], typer.Option(
     "--max-input-files", min=1, help="Input from a hub repo id: files on disk at once, each deleted once converted "
                                      f"(default {defaults.MAX_INPUT_FILES}; raised where the plan needs more at once).")]

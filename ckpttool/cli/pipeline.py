@@ -23,6 +23,7 @@ from ckpttool.cli.options import (
     MaxMemory,
     Mp,
     Overwrite,
+    Processes,
     Quiet,
     Resume,
     Src,
@@ -137,7 +138,7 @@ def _hub_plan_lines(h: dict) -> str:
 
 
 def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None, max_memory: MaxMemory = None,
-            workers: Workers = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
+            workers: Workers = None, processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
             overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
             json_: Json = False) -> None:
     """FP8 HF checkpoint -> BF16 HF checkpoint (index, config and tokenizer rewritten/copied).
@@ -146,15 +147,16 @@ def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = No
     """
     if not _dequant_flag(dtype, True):
         raise RecipeError("dequant writes bf16; --dtype fp8 would be a plain copy", fix="use --dtype bf16")
-    recipe = preset("dequant", dequant=True, keep_mtp=keep_mtp, max_memory=max_memory, workers=workers, device=device,
-                    max_input_files=max_input_files)
+    recipe = preset("dequant", dequant=True, keep_mtp=keep_mtp, max_memory=max_memory, workers=workers,
+                    processes=processes, device=device, max_input_files=max_input_files)
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
              hub_input=True)
 
 
 def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, help="Model-parallel ranks.")],
           dtype: DtypeOpt = None, keep_mtp: KeepMtp = None, max_memory: MaxMemory = None, workers: Workers = None,
-          device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None, overwrite: Overwrite = False,
+          processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
+          overwrite: Overwrite = False,
           resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """HF checkpoint -> model{i}-mp{N}.safetensors shards (FP8 kept unless --dtype bf16).
 
@@ -164,14 +166,15 @@ def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, hel
     Example: ckpttool shard ./DeepSeek-V3 ./DeepSeek-V3-mp8 --mp 8
     """
     recipe = preset("shard", dequant=_dequant_flag(dtype, False), mp=mp, keep_mtp=keep_mtp, max_memory=max_memory,
-                    workers=workers, device=device, max_input_files=max_input_files)
+                    workers=workers, processes=processes, device=device, max_input_files=max_input_files)
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
              hub_input=True)
 
 
 def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None,
             verify: VerifyOpt = False, max_memory: MaxMemory = None, workers: Workers = None,
-            device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None, overwrite: Overwrite = False,
+            processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
+            overwrite: Overwrite = False,
             resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """All stages fused in one pass: FP8 HF straight to BF16 mp shards, no intermediate copy.
 
@@ -188,16 +191,18 @@ def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mt
     if verify:
         require_torch("convert --verify", "verify")
     recipe = _convert_recipe("convert", mp, dtype, keep_mtp, device if verify else None, max_memory, workers, device,
-                             max_input_files)
+                             max_input_files, processes)
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
              hub_input=True)
 
 
 def _convert_recipe(name: str, mp: int | None, dtype: str | None, keep_mtp: bool | None, verify_device: str | None,
-                    max_memory: str | None, workers: int | None, device: str, max_input_files: int | None) -> Recipe:
+                    max_memory: str | None, workers: int | None, device: str, max_input_files: int | None,
+                    processes: int | None = None) -> Recipe:
     """convert's flags as a recipe; `plan` takes the same flags and defaults, so it previews convert."""
     return preset(name, dequant=_dequant_flag(dtype, True), mp=mp, keep_mtp=keep_mtp, verify_device=verify_device,
-                  max_memory=max_memory, workers=workers, device=device, max_input_files=max_input_files)
+                  max_memory=max_memory, workers=workers, processes=processes, device=device,
+                  max_input_files=max_input_files)
 
 
 def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.safetensors shards and config.json.")],
@@ -205,8 +210,9 @@ def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.
           max_shard_size: Annotated[str, typer.Option(
               "--max-shard-size", help="Largest output file before splitting into model-0000i-of-0000n "
                                        "(the default is transformers').")] = defaults.MAX_SHARD_SIZE,
-          max_memory: MaxMemory = None, workers: Workers = None, overwrite: Overwrite = False, resume: Resume = False,
-          dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
+          max_memory: MaxMemory = None, workers: Workers = None, processes: Processes = None,
+          overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
+          json_: Json = False) -> None:
     """mp shards (any layout ckpttool writes: DeepSeek, dense; BF16 or FP8 with scales) -> HF checkpoint.
 
     The same key table read backwards: split tensors are concatenated, replicated ones taken once, experts
@@ -214,7 +220,8 @@ def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.
 
     Example: ckpttool merge ./llama-mp4 ./llama-hf
     """
-    recipe = preset("merge", merge_max_shard_size=max_shard_size, max_memory=max_memory, workers=workers)
+    recipe = preset("merge", merge_max_shard_size=max_shard_size, max_memory=max_memory, workers=workers,
+                    processes=processes)
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run)
 
 

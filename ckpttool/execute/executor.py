@@ -84,9 +84,10 @@ class Committer:
 
 def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int, workers: int,
             device: str = defaults.DEVICE, progress=None, files: set[str] | None = None,
-            chunk_bytes: int = defaults.CHUNK_BYTES, wait_for_cuda: bool = False) -> None:
+            chunk_bytes: int = defaults.CHUNK_BYTES, wait_for_cuda: bool = False, abort: Future | None = None) -> None:
     """Run every task not yet in the journal; commit (fdatasync + journal) in batches. On CUDA the
-    first chunks run on the CPU while the GPU starts, unless `wait_for_cuda`."""
+    first chunks run on the CPU while the GPU starts, unless `wait_for_cuda`. An exception set on `abort`
+    (another process of the run failed, execute/forked.py) is raised here as soon as it is set."""
     tasks = make_tasks(plan, inputs, staging.done, staging.published, files)
     used = sorted({t.transform for t in tasks if t.transform in BY_NAME})
     dev = resolve_device(device, sum(t.nbytes_out for t in tasks) if used else 0)
@@ -109,6 +110,8 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
     # bench/RESULTS.md)
     done: queue.SimpleQueue = queue.SimpleQueue()
     watched: Future | None = None  # the commit request's future that puts itself in `done` when asked
+    if abort is not None:
+        abort.add_done_callback(done.put)
     committer = Committer(staging)
 
     def reap(block: bool) -> None:
@@ -129,8 +132,10 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
                 finished.append(done.get_nowait())
         except queue.Empty:
             pass
+        if abort is not None and abort.done() and abort.exception() is not None:
+            raise abort.exception()
         for fut in finished:
-            if fut not in in_flight:  # the commit request
+            if fut not in in_flight:  # the commit request, or abort
                 continue
             task, held = in_flight.pop(fut)
             budget.release(held)

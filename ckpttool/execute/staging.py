@@ -90,13 +90,26 @@ class Staging:
         else:
             self._check_resumable(plan_path, inputs)
             self._load_journals()
+        self._open(journal)
+
+    def fork_rank(self, rank: int, timings: Timings) -> "Staging":
+        """This staging as forked rank `rank` joins it (execute/forked.py): the plan, its check and the
+        journals read so far are this process's own, so only the rank's journal, files and hashes are new."""
+        joined = object.__new__(Staging)
+        joined.dst, joined.timings, joined.dir, joined.plan, joined.plan_hash = (
+            self.dst, timings, self.dir, self.plan, self.plan_hash)
+        joined.done, joined.published = set(self.done), set(self.published)
+        joined._open(self.dir / f"journal.{rank}.jsonl")
+        return joined
+
+    def _open(self, journal: Path) -> None:
         try:
             self._journal = os.fdopen(os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o644), "ab")
         except OSError as exc:
             raise disk_error(exc, journal) from None
         self.fds: dict[str, int] = {}
         # each output file is hashed while it is written (its contiguous written prefix)
-        self._hash_pool = ThreadPoolExecutor(min(16, defaults.cores(), max(1, len(plan.files))),
+        self._hash_pool = ThreadPoolExecutor(min(16, defaults.cores(), max(1, len(self.plan.files))),
                                              thread_name_prefix="ckpttool-hash")
         self._hashers: dict[str, PrefixHasher] = {}
         self.on_commit: Callable[[list[tuple[str, str]]], None] | None = None
