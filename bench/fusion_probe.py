@@ -99,7 +99,8 @@ def main() -> None:
         for hashed in (True,) if a.no_nohash else (True, False):
             for s in modes:
                 key = f"{'chunk' if not s else f'slices of {s} rows'}{'' if hashed else ', no hash'}"
-                out.setdefault(key, []).append(run(a.dir, int(a.gb * 1e9), a.threads, a.files, a.rows, a.cols, s, hashed, a.read))
+                out.setdefault(key, []).append(run(a.dir, int(a.gb * 1e9), a.threads, a.files, a.rows, a.cols, s,
+                                                   hashed, a.read))
     print(json.dumps(out, indent=1))
 
 
