@@ -37,6 +37,7 @@ from ckpttool.publish.destination import (
     check_destination,
     check_free_space,
     check_outside,
+    existing_ancestor,
     free_space,
 )
 from ckpttool.publish.publish import publish
@@ -231,7 +232,8 @@ def plan_report(src, job: Job, recipe: Recipe, dst: Path | None) -> dict:
     with _open_inputs(src, job) as inputs:
         plan = job.plan(inputs)
         processes, workers = defaults.layout(len(plan.files), recipe.execution.workers, recipe.execution.processes,
-                                             can_split=not streamed, to_memory=dst is not None and in_memory_fs(dst))
+                                             can_split=not streamed,
+                                             to_memory=dst is not None and in_memory_fs(existing_ancestor(dst)))
         workers *= processes
         check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)
         task_mem = sorted((t.memory() for t in make_tasks(plan, inputs, set(), set())), reverse=True)
@@ -247,6 +249,7 @@ def plan_report(src, job: Job, recipe: Recipe, dst: Path | None) -> dict:
         "tensors": plan.tensor_count, "bytes_to_write": plan.bytes_to_write,
         "disk_needed": plan.bytes_to_write + aux, "disk_free": free,
         "max_memory": budget, "peak_memory_expected": peak, "largest_task_bytes": task_mem[0] if task_mem else 0,
+        "processes": processes, "workers": workers,
         "copies": plan.copies, "notes": plan.notes,
     }
     if streamed:

@@ -68,10 +68,11 @@ def test_processes_write_the_bytes_of_one_process(tiny_v3, tmp_path):
 def test_merge_split_over_processes_writes_the_same_bytes(tiny_v3, tmp_path):
     shards = tmp_path / "mp4"
     run_cli_process("convert", tiny_v3, shards, *CONVERT, "--processes", "1")
-    merge = ("--max-shard-size", "1MB", "--quiet", "--json")
-    one = _report(run_cli_process("merge", shards, tmp_path / "one", *merge, "--processes", "1"))
-    split = _report(run_cli_process("merge", shards, tmp_path / "two", *merge, "--processes", "2"))
-    assert (one["processes"], split["processes"]) == (1, 2) and len(one["files"]) > 2
+    one = _report(run_cli_process("merge", shards, tmp_path / "one", "--max-shard-size", "1MB", "--quiet", "--json",
+                                  "--processes", "1"))
+    split = run_cli_process("merge", shards, tmp_path / "two", "--max-shard-size", "1MB", "--processes", "2")
+    assert one["processes"] == 1 and len(one["files"]) > 2
+    assert split.returncode == 0 and "GB/s, 2 processes)" in split.stdout, split.stdout + split.stderr
     assert _tree(tmp_path / "two") == _tree(tmp_path / "one")
 
 
@@ -267,3 +268,11 @@ def test_a_failing_rank_stops_rank_0_at_once():
     """)
     assert out["error"] == "InputError" and "NaN codes" in out["text"] and "x.safetensors" in out["text"], out
     assert out["seconds"] < 20, out
+
+
+def test_plan_previews_the_processes(tiny_v3, tmp_path):
+    rep = _report(run_cli_process("plan", tiny_v3, tmp_path / "out", "--mp", "4", "--processes", "2", "--workers", "6",
+                                  "--json"))
+    assert (rep["processes"], rep["workers"]) == (2, 6)
+    text = run_cli_process("plan", tiny_v3, tmp_path / "out", "--mp", "4", "--processes", "2", "--workers", "6").stdout
+    assert "6 workers in 2 processes" in text

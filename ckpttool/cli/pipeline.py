@@ -75,7 +75,8 @@ def _print_result(report: RunReport) -> None:
         return
     gb = result.bytes_written / 1e9
     print(f"wrote {len(result.plan.files)} files, {result.plan.tensor_count} tensors, {gb:.3f} GB to {result.dst} "
-          f"in {result.seconds:.2f}s ({result.summary()['gb_per_s']:.2f} GB/s)")
+          f"in {result.seconds:.2f}s ({result.summary()['gb_per_s']:.2f} GB/s"
+          f"{f', {result.processes} processes' if result.processes > 1 else ''})")
     if result.resumed_from:
         print(f"resumed: {result.resumed_from} tensors were already done")
     if result.download is not None:
@@ -107,7 +108,8 @@ def _print_plan(rep: dict, as_json: bool) -> None:
     free = "" if rep["disk_free"] is None else f", {rep['disk_free'] / 1e9:.1f} GB free"
     print(f"disk needed: {rep['disk_needed'] / 1e9:.3f} GB{free}")
     print(f"memory: budget {rep['max_memory'] / 2**30:.2f} GiB, expected peak for tensors in flight "
-          f"{rep['peak_memory_expected'] / 2**30:.3f} GiB (largest task {rep['largest_task_bytes'] / 2**20:.1f} MiB)")
+          f"{rep['peak_memory_expected'] / 2**30:.3f} GiB (largest task {rep['largest_task_bytes'] / 2**20:.1f} MiB; "
+          f"{rep['workers']} workers" + (f" in {rep['processes']} processes)" if rep['processes'] > 1 else ")"))
     if rep.get("hub"):
         print(_hub_plan_lines(rep["hub"]))
     if rep["copies"]:
@@ -246,7 +248,7 @@ def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output di
          mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None,
          recipe_path: Annotated[Optional[str], typer.Option(
              "--recipe", help="Plan a recipe (a file or a bundled recipe's name) instead of flags.")] = None,
-         set_: SetOpt = None, max_memory: MaxMemory = None, workers: Workers = None,
+         set_: SetOpt = None, max_memory: MaxMemory = None, workers: Workers = None, processes: Processes = None,
          max_input_files: MaxInputFiles = None, json_: Json = False) -> None:
     """Print what `convert` with the same flags would write, from headers alone.
 
@@ -263,5 +265,5 @@ def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output di
         recipe = load_recipe(recipe_path, set_ or [])
     else:
         recipe = _convert_recipe("plan", mp, dtype, keep_mtp, None, max_memory, workers, defaults.DEVICE,
-                                 max_input_files)
+                                 max_input_files, processes)
     _execute(recipe, src, dst, as_json=json_, dry_run=True, hub_input=True)
