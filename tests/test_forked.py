@@ -276,3 +276,41 @@ def test_plan_previews_the_processes(tiny_v3, tmp_path):
     assert (rep["processes"], rep["workers"]) == (2, 6)
     text = run_cli_process("plan", tiny_v3, tmp_path / "out", "--mp", "4", "--processes", "2", "--workers", "6").stdout
     assert "6 workers in 2 processes" in text
+
+
+def test_a_fork_refused_by_a_limit_is_an_error_with_a_fix():
+    """The second fork fails as under a container's pids.max (EAGAIN): an error naming the fix, and the first
+    child stopped and reaped."""
+    out = _forked("""
+        import errno
+
+        def share(rank, progress):
+            time.sleep(60)
+            return {}
+
+        real_fork, forks = os.fork, []
+
+        def fork():
+            if forks:
+                raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+            forks.append(real_fork())
+            return forks[-1]
+
+        os.fork = fork
+    """, then="""
+        started = time.monotonic()
+        try:
+            ForkedRanks(3, share, Path("/tmp/where"))
+            out = {"error": None}
+        except OutputError as exc:
+            out = {"error": str(exc)}
+        try:
+            os.waitpid(-1, os.WNOHANG)
+            out["children_left"] = True
+        except ChildProcessError:
+            out["children_left"] = False
+        out["seconds"] = time.monotonic() - started
+        print(json.dumps(out))
+    """)
+    assert "could not start conversion process rank 2 of 3" in out["error"] and "--processes 1" in out["error"], out
+    assert not out["children_left"] and out["seconds"] < 30, out

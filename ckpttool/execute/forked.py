@@ -112,8 +112,13 @@ class ForkedRanks:
         sys.stderr.flush()
         parent = os.getpid()
         for rank in range(1, n):
-            r, w = os.pipe()
-            pid = os.fork()
+            try:
+                r, w = os.pipe()
+                pid = os.fork()
+            except OSError as exc:  # a process or file limit (a container's pids.max)
+                self.kill()
+                raise OutputError(f"could not start conversion process rank {rank} of {n}: {exc.strerror or exc}",
+                                  file=where, fix="rerun with --processes 1 (or fewer), adding --resume") from None
             if pid == 0:  # the child: never returns
                 os.close(r)
                 _child(rank, w, share, parent)
