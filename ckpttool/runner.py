@@ -231,9 +231,9 @@ def plan_report(src, job: Job, recipe: Recipe, dst: Path | None) -> dict:
     streamed = not isinstance(src, Path)
     with _open_inputs(src, job) as inputs:
         plan = job.plan(inputs)
-        processes, workers = defaults.layout(len(plan.files), recipe.execution.workers, recipe.execution.processes,
-                                             can_split=not streamed,
-                                             to_memory=dst is not None and in_memory_fs(existing_ancestor(dst)))
+        ex = recipe.execution
+        _, processes, workers = layout(plan, ex.device, ex.workers, ex.processes, one_process=streamed,
+                                       to_memory=dst is not None and in_memory_fs(existing_ancestor(dst)))
         workers *= processes
         check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)
         task_mem = sorted((t.memory() for t in make_tasks(plan, inputs, set(), set())), reverse=True)
@@ -329,8 +329,8 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
         if staging is None:  # a rank > 0 joins what rank 0 set up
             staging = Staging(dst, plan, resume=True, rank=group.rank, timings=clock, inputs=inputs.fingerprint())
         mine = assign_files(plan, group.world_size)[group.rank] if group.world_size > 1 else None
-        device, processes, workers = layout(plan, dst, opts.device, opts.workers, opts.processes,
-                                            one_process=streamed or group.world_size > 1)
+        device, processes, workers = layout(plan, opts.device, opts.workers, opts.processes,
+                                            one_process=streamed or group.world_size > 1, to_memory=in_memory_fs(dst))
         ranks: ForkedRanks | None = None
         ok = False
         try:

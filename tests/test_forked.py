@@ -234,14 +234,14 @@ def test_no_fork_beside_other_threads(tiny_v3, tmp_path):
     try:
         with pytest.raises(RuntimeError, match="threads running"):
             ForkedRanks(2, lambda rank, progress: {}, tmp_path)
-        assert layout(plan, tmp_path, "cpu", None, 2, one_process=False) == ("cpu", 1, defaults.workers())
+        assert layout(plan, "cpu", None, 2, one_process=False, to_memory=True) == ("cpu", 1, defaults.workers())
     finally:
         stop.set()
         t.join()
     if threading.active_count() == 1:  # pytest's process may hold threads of its own
-        assert layout(plan, tmp_path, "cpu", None, 2, one_process=False)[1] == 2
-    assert layout(plan, tmp_path, "cpu", None, 2, one_process=True)[1] == 1  # from the hub, or under torchrun
-    assert layout(plan, tmp_path, "cuda", None, 2, one_process=False)[1] == 1
+        assert layout(plan, "cpu", None, 2, one_process=False, to_memory=True)[1] == 2
+    assert layout(plan, "cpu", None, 2, one_process=True, to_memory=True)[1] == 1  # from the hub, or under torchrun
+    assert layout(plan, "cuda", None, 2, one_process=False, to_memory=True)[1] == 1
 
 
 def test_a_failing_rank_stops_rank_0_at_once():

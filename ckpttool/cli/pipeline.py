@@ -140,9 +140,9 @@ def _hub_plan_lines(h: dict) -> str:
 
 
 def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None, max_memory: MaxMemory = None,
-            workers: Workers = None, processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
-            overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
-            json_: Json = False) -> None:
+            workers: Workers = None, processes: Processes = None, device: Device = defaults.DEVICE,
+            max_input_files: MaxInputFiles = None, overwrite: Overwrite = False, resume: Resume = False,
+            dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """FP8 HF checkpoint -> BF16 HF checkpoint (index, config and tokenizer rewritten/copied).
 
     Example: ckpttool dequant ./DeepSeek-V3 ./DeepSeek-V3-bf16
@@ -158,8 +158,8 @@ def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = No
 def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, help="Model-parallel ranks.")],
           dtype: DtypeOpt = None, keep_mtp: KeepMtp = None, max_memory: MaxMemory = None, workers: Workers = None,
           processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
-          overwrite: Overwrite = False,
-          resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
+          overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
+          json_: Json = False) -> None:
     """HF checkpoint -> model{i}-mp{N}.safetensors shards (FP8 kept unless --dtype bf16).
 
     The reference DeepSeek layout (or the family's own mp layout); FP8 weights stay FP8 with split
@@ -176,8 +176,8 @@ def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, hel
 def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None,
             verify: VerifyOpt = False, max_memory: MaxMemory = None, workers: Workers = None,
             processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
-            overwrite: Overwrite = False,
-            resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
+            overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
+            json_: Json = False) -> None:
     """All stages fused in one pass: FP8 HF straight to BF16 mp shards, no intermediate copy.
 
     From a hub repo id the input streams through DST: each file is fetched in the order the

@@ -33,7 +33,6 @@ from ckpttool import defaults, faults
 from ckpttool.errors import CkptError, InputError, OutputError, PlanError, RecipeError
 from ckpttool.execute.device import resolve_device
 from ckpttool.execute.executor import execute
-from ckpttool.execute.osutil import in_memory_fs
 from ckpttool.execute.staging import Staging
 from ckpttool.plan.types import Plan
 from ckpttool.timing import Timings
@@ -47,18 +46,17 @@ Share = Callable[[int, Callable[[int], None]], dict]
 """a rank's work: (rank, progress callback taking bytes written) -> its timings as Timings.to_json()"""
 
 
-def layout(plan: Plan, dst: Path, device: str, workers: int | None, processes: int | None, *, one_process: bool
-           ) -> tuple[str, int, int]:
-    """(device, processes, workers in each) of a run writing into `dst` (defaults.layout: by default it
-    splits only into tmpfs). Only a CPU run splits: `auto` is decided here, as execute would, so every
+def layout(plan: Plan, device: str, workers: int | None, processes: int | None, *, one_process: bool,
+           to_memory: bool) -> tuple[str, int, int]:
+    """(device, processes, workers in each) of a run writing into tmpfs or not (`to_memory`; defaults.layout:
+    by default it splits only into tmpfs). Only a CPU run splits: `auto` is decided here, as execute would, so every
     process converts on the CPU; a run from the hub (its fetcher) or under torchrun (`one_process`) stays
     one process, and so does one beside other threads: a lock one of them held at fork time would be held
     forever in the child (a library caller's threads, torch's)."""
     if device == "auto" and resolve_device(device, plan.bytes_to_write) == "cpu":
         device = "cpu"
     split = device == "cpu" and not one_process and can_fork() and threading.active_count() == 1
-    processes, workers = defaults.layout(len(plan.files), workers, processes, can_split=split,
-                                         to_memory=in_memory_fs(dst))
+    processes, workers = defaults.layout(len(plan.files), workers, processes, can_split=split, to_memory=to_memory)
     return device, processes, workers
 
 
