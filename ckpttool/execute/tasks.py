@@ -241,6 +241,8 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
     # the FP8 kernel writes into this thread's reusable buffer (only without a GPU: its pinned buffers
     # are the reusable ones there)
     into = gpu is None and fmt is not None and not scalar and fmt.cpu is fp8_cpu.dequant
+    # on the CPU from an input in RAM, rows are read through the file's mapping, not copied out of it
+    mapped = gpu is None and not scalar and inputs.local and in_memory_fs(inputs.root)
     for r0 in range(lo, hi, step):
         r1 = min(r0 + step, hi)
         with clock.activity("read"):
@@ -248,9 +250,11 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
             if gpu is not None and fmt is not None and not scalar:
                 rows_in, rows_out = (r1 - r0) * in_row_bytes, (r1 - r0) * out_row_bytes
                 buf = gpu.staging(max(rows_in, rows_out))
-            elif gpu is None and not scalar:
+            elif gpu is None and not scalar and not mapped:
                 buf = scratch("in", (r1 - r0) * in_row_bytes)
-            x = inputs.read_rows(task.file, info, r0, r1, buf)
+            x = inputs.read_rows(task.file, info, r0, r1, buf, mapped=mapped)
+            if mapped:
+                clock.count("chunks_read_mapped")
             if fmt is not None:
                 s0, s1 = fmt.scale_rows(r0, r1)
                 scale = scale_full[s0:s1] if scale_full is not None else \
@@ -272,6 +276,9 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                                    file=inputs.root / task.file, tensor=task.source) from None
         with clock.activity("write"):
             _write_rows(task, x, r0, r1, staging)
+        if mapped:
+            del x
+            inputs.release_rows(task.file, info, r0, r1)
     return list(task.pieces)
 
 
