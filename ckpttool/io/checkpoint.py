@@ -129,9 +129,10 @@ class ShardFiles:
         filled in one call (MADV_POPULATE_READ, Linux >= 5.14), not one fault per 64 KiB.
 
         On the 16-core device this took a RAM-to-RAM conversion's execute phase from 2.01-2.34 s to 1.81-1.97 s,
-        its CPU time from 31-35 to 26-29 s and its wall time to 0.79-0.99x (bench/RESULTS.md). What a mapping costs: a file truncated
-        while it is read kills the process with SIGBUS instead of naming the file (the journal still lets
-        --resume finish), and a mapped page counts in the process's RSS until `release_rows`."""
+        its CPU time from 31-35 to 26-29 s and its wall time to 0.79-0.99x (bench/RESULTS.md). What a mapping
+        costs: a file truncated while it is read kills the process with SIGBUS instead of naming the file (the
+        journal still lets --resume finish), and a mapped page counts in the process's RSS until
+        `release_rows`."""
         m = self._mapping(fname)
         if start + nbytes > len(m):
             raise InputError(f"unexpected end of file at byte {len(m)}", file=self.root / fname,
