@@ -16,7 +16,6 @@ def _pread_rows(self, fname, info, r0, r1, into=None, *, mapped=False):
 
 
 ShardFiles.read_rows = _pread_rows
-ShardFiles.release_rows = lambda self, *args: None
 
 from ckpttool.cli import entry  # noqa: E402 - after the patch
 

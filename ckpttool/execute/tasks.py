@@ -276,9 +276,7 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                                    file=inputs.root / task.file, tensor=task.source) from None
         with clock.activity("write"):
             _write_rows(task, x, r0, r1, staging)
-        if mapped:
-            del x
-            inputs.release_rows(task.file, info, r0, r1)
+        del x  # a mapped chunk is unmapped here, its last view gone
     return list(task.pieces)
 
 

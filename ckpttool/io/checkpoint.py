@@ -51,8 +51,8 @@ class SourceTensor:
     info: TensorInfo
 
 
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-"""Linux >= 5.14: fill a mapped range's page table entries in one call (Python 3.12 has no name for it)"""
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Linux: fill a new mapping's page table entries as it is made (elsewhere 0: each page faults in on first touch)"""
 
 
 class ShardFiles:
@@ -71,7 +71,6 @@ class ShardFiles:
                              fix="pass a directory holding *.safetensors (and config.json)")
         self.files: dict[str, SafetensorsFile] = {}
         self._fds: dict[str, int] = {}
-        self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
         for fname in names:
             self._add_file(fname)
@@ -110,8 +109,7 @@ class ShardFiles:
                   mapped: bool = False) -> np.ndarray:
         """Rows [r0, r1) of dim 0 (the whole tensor for a scalar) as a numpy array in the dtype's
         carrier: one contiguous byte range, read into the front of `into` (a worker's reusable or
-        pinned buffer) when given, or with `mapped` a read-only view of the file's mapping (see
-        `mapped_range`; `release_rows` after use)."""
+        pinned buffer) when given, or with `mapped` a read-only view of a mapping (`mapped_range`)."""
         if not info.shape:
             return array_from_bytes(self.read_from(fname, info.name), info.dtype, info.shape)
         row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
@@ -124,47 +122,26 @@ class ShardFiles:
         return array_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
 
     def mapped_range(self, fname: str, start: int, nbytes: int) -> np.ndarray:
-        """Bytes [start, start + nbytes) of a file as a read-only view of its mapping, no copy: for an input in
-        RAM (tmpfs), where a pread is only a memcpy out of the page cache. The range's page table entries are
-        filled in one call (MADV_POPULATE_READ, Linux >= 5.14), not one fault per 64 KiB.
+        """Bytes [start, start + nbytes) of a file as a read-only view of a mapping of just that range, no
+        copy: for an input in RAM (tmpfs), where a pread is only a memcpy out of the page cache. Its page
+        table entries are filled in one call (MAP_POPULATE), not one fault per 64 KiB, and it is unmapped
+        when the last view of it goes, so the process's RSS holds the chunks in flight and no more (the
+        file's pages stay in the page cache).
 
-        On the 16-core device this took a RAM-to-RAM conversion's execute phase from 2.01-2.34 s to 1.81-1.97 s,
-        its CPU time from 31-35 to 26-29 s and its wall time to 0.79-0.99x (bench/RESULTS.md). What a mapping
-        costs: a file truncated while it is read kills the process with SIGBUS instead of naming the file (the
-        journal still lets --resume finish), and a mapped page counts in the process's RSS until
-        `release_rows`."""
-        m = self._mapping(fname)
-        if start + nbytes > len(m):
-            raise InputError(f"unexpected end of file at byte {len(m)}", file=self.root / fname,
+        On the 16-core device this took a RAM-to-RAM conversion's execute phase from 2.11-2.18 s to 1.90-1.97 s,
+        its CPU time from 32-34 to 28-29 s and its wall time to 0.91-0.98x (bench/RESULTS.md). A mapping of the
+        whole file instead, released range by range, kept the pages the kernel maps around each range's ends
+        (fault-around): its RSS grew with the model. What a mapping costs: a file truncated while it is read
+        kills the process with SIGBUS instead of naming the file (the journal still lets --resume finish)."""
+        fd = self.fd(fname)
+        size = os.fstat(fd).st_size
+        if start + nbytes > size:
+            raise InputError(f"unexpected end of file at byte {size}", file=self.root / fname,
                              fix="the file changed or was truncated while reading; re-download it")
-        first = start - start % mmap.PAGESIZE
-        try:
-            m.madvise(MADV_POPULATE_READ, first, start + nbytes - first)
-        except (OSError, ValueError):  # an older kernel: each page faults in on first touch instead
-            pass
-        return np.frombuffer(m, np.uint8, nbytes, start)
-
-    def release_rows(self, fname: str, info: TensorInfo, r0: int, r1: int) -> None:
-        """Unmap the pages of rows [r0, r1) read with `mapped`, so that the process's RSS stays one
-        chunk per worker (the file's pages stay in the page cache; a neighbour still reading a shared
-        edge page faults it back in)."""
-        m = self._maps.get(fname)
-        row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
-        if m is None or not row_bytes:
-            return
-        start, end = info.start + r0 * row_bytes, min(len(m), info.start + r1 * row_bytes)
-        first = start - start % mmap.PAGESIZE
-        if end > first:
-            m.madvise(mmap.MADV_DONTNEED, first, end - first)
-
-    def _mapping(self, fname: str) -> mmap.mmap:
-        with self._lock:
-            m = self._maps.get(fname)
-        if m is None:
-            m = mmap.mmap(self.fd(fname), 0, prot=mmap.PROT_READ)
-            with self._lock:
-                m = self._maps.setdefault(fname, m)
-        return m
+        first = start - start % mmap.ALLOCATIONGRANULARITY
+        window = mmap.mmap(fd, start + nbytes - first, flags=mmap.MAP_SHARED | MAP_POPULATE, prot=mmap.PROT_READ,
+                           offset=first)
+        return np.frombuffer(window, np.uint8, nbytes, start - first)
 
     def paths(self) -> list[Path]:
         return [self.root / fname for fname in sorted(self.files)]
@@ -188,12 +165,6 @@ class ShardFiles:
 
     def close(self) -> None:
         with self._lock:
-            for m in self._maps.values():
-                try:
-                    m.close()
-                except BufferError:  # a view of it is still alive (an error's traceback): unmapped when it goes
-                    pass
-            self._maps.clear()
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
