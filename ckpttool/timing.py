@@ -49,11 +49,10 @@ class Timings:
 
     def merge(self, other: dict) -> None:
         """Add another process's thread-seconds and counts (a forked rank's to_json()); its phases are its own."""
-        with self._lock:
-            for k, v in other.get("thread_s", {}).items():
-                self.busy[k] = self.busy.get(k, 0.0) + v
-            for k, v in other.get("counts", {}).items():
-                self.counts[k] = self.counts.get(k, 0) + v
+        for k, v in other.get("thread_s", {}).items():
+            self.add(k, v)
+        for k, v in other.get("counts", {}).items():
+            self.count(k, v)
 
     def to_json(self) -> dict:
         with self._lock:
