@@ -100,3 +100,33 @@ def test_readme_engines_table_is_the_last_engines_run():
     assert table.readme_block(table.README.read_text()) == table.render(report)
     statuses = {c[e]["status"] for c in report["cases"].values() for e in table.ENGINES}
     assert statuses <= {"equal", "skipped"}, statuses  # a committed report of a failing run is not a proof
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_an_unquantized_checkpoint_keeps_its_dtype_and_config_json_says_so(tmp_path, dtype):
+    """`convert` (a dequant stage by default) of an F32 or F16 checkpoint with nothing to dequantize copies
+    its tensors unchanged: config.json must name their dtype, or transformers loads them as bfloat16."""
+    import torch
+
+    from dense_models import build_hf
+
+    bf16 = build_hf("llama", tmp_path / "bf16")
+    src = tmp_path / dtype
+    model = transformers.AutoModelForCausalLM.from_pretrained(bf16, dtype=getattr(torch, dtype))
+    model.save_pretrained(src)
+    for args, out in ((["convert"], "hf"), (["convert", "--mp", 2], "mp"), (["dequant"], "dq")):
+        run_cli(args[0], src, tmp_path / out, *args[1:], "--quiet")
+        config = json.loads((tmp_path / out / "config.json").read_text())
+        assert config["torch_dtype"] == config.get("dtype", dtype) == dtype, (args, config)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    assert {p.dtype for p in loaded.parameters()} == {getattr(torch, dtype)}
+
+
+def test_dequantized_fp8_states_the_dtype_it_was_dequantized_to(tiny_v3, tmp_path):
+    run_cli("dequant", tiny_v3, tmp_path / "bf16", "--quiet")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    recipe = tmp_path / "f32.yaml"
+    recipe.write_text("name: f32\nstages:\n  - dequant: {dtype: fp32}\n")
+    run_cli("run", recipe, "-i", tiny_v3, "-o", tmp_path / "f32", "--quiet")
+    config = json.loads((tmp_path / "f32" / "config.json").read_text())
+    assert config["torch_dtype"] == "float32" and "quantization_config" not in config
