@@ -182,7 +182,8 @@ class Recipe(_Strict):
 
 
 PRESET_FLAGS = {"stages.shard.mp": "--mp", "stages.download.max_input_files": "--max-input-files", "stages.merge.max_shard_size": "--max-shard-size",
-                "stages.verify.device": "--device", "execution.max_memory": "--max-memory",
+                "stages.verify.device": "--device", "stages.verify.prompt_ids": "--prompt-ids",
+                "stages.verify.prompt": "--prompt", "execution.max_memory": "--max-memory",
                 "execution.workers": "--workers", "execution.processes": "--processes", "execution.device": "--device"}
 """the recipe keys command flags set (preset), for errors worded as the flags the user typed"""
 
@@ -193,7 +194,7 @@ INPUT = "input"
 
 def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp: bool | None = None,
            merge_max_shard_size: str | None = None, verify_device: str | None = None,
-           max_memory: str | None = None, workers: int | None = None, processes: int | None = None,
+           verify_prompt: str | None = None, verify_prompt_ids: list[int] | None = None, max_memory: str | None = None, workers: int | None = None, processes: int | None = None,
            device: str = defaults.DEVICE, max_input_files: int | None = None) -> Recipe:
     """The recipe a command's flags stand for (`ckpttool convert --mp 8` is a dequant + shard recipe)."""
     stages: list[dict] = []
@@ -208,7 +209,8 @@ def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp:
     if not any(kind in s for s in stages for kind in ("merge", "dequant", "shard")):
         stages.append({"dequant": {"dtype": "bf16"}})
     if verify_device is not None:  # a command's --verify compares with the input it converted, where it fits
-        stages.append({"verify": {"device": verify_device, "reference": INPUT}})
+        verify = {"device": verify_device, "reference": INPUT, "prompt": verify_prompt, "prompt_ids": verify_prompt_ids}
+        stages.append({"verify": {k: v for k, v in verify.items() if v is not None}})
     execution: dict = {"device": device}
     if workers is not None:
         execution["workers"] = workers

@@ -144,6 +144,7 @@ def run(request: Request) -> RunReport | dict:
         return plan_report(src, job, recipe, request.dst)
     if request.dst is None:
         raise RecipeError("no output given", fix="pass --output DST")
+    _check_verify_prompt(recipe, src)
     opts = ExecOptions.from_recipe(recipe.execution, overwrite=request.overwrite, resume=request.resume,
                                    quiet=request.quiet)
     if (dl := recipe.stage("download")) is not None:
@@ -163,6 +164,24 @@ def run(request: Request) -> RunReport | dict:
                                    device=verify.device, dtype=verify.dtype, tolerance=verify.tolerance)
         report.reference_skipped = skipped
     return report
+
+
+def _check_verify_prompt(recipe: Recipe, src) -> None:
+    """A verify stage that continues a text prompt needs the input's tokenizer.json (copied beside the
+    output) and the `tokenizers` package: said before converting, not after publishing."""
+    verify = recipe.stage("verify")
+    if verify is None or verify.prompt_ids is not None:
+        return
+    import importlib.util
+
+    has = (src / "tokenizer.json").is_file() if isinstance(src, Path) else "tokenizer.json" in src.files
+    missing = None if has else "the input has no tokenizer.json to encode it with"
+    if missing is None and importlib.util.find_spec("tokenizers") is None:
+        missing = "the `tokenizers` package is not installed (pip install 'ckpttool[verify]')"
+    if missing:
+        raise RecipeError(f"the verify stage continues a text prompt, and {missing}", file=src,
+                          fix="give token ids instead: --prompt-ids 0,5,9 (convert --verify), or "
+                              "verify: {prompt_ids: [0, 5, 9]} in a recipe")
 
 
 REFERENCE_RAM_FRACTION = 0.25

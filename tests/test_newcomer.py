@@ -259,3 +259,19 @@ def test_convert_verify_prints_what_it_checked(tiny_v3, tmp_path):
     for check in ("load", "finite", "generate"):
         assert f"PASS  {check}" in out, out
     assert out.rstrip().endswith("OK"), out
+
+
+def test_convert_verify_without_a_tokenizer_says_so_before_converting_and_takes_prompt_ids(tiny_llama, tmp_path):
+    """A checkpoint without tokenizer.json: refused before anything is written, with a fix convert takes."""
+    from conftest import run_cli
+
+    assert not (tiny_llama / "tokenizer.json").exists()
+    proc = run_cli("convert", tiny_llama, tmp_path / "o", "--mp", 2, "--verify", check=False)
+    assert proc.returncode == 2 and "no tokenizer.json" in proc.stderr and "--prompt-ids 0,5,9" in proc.stderr, \
+        proc.stderr
+    assert not (tmp_path / "o").exists()
+    assert "--prompt-ids" in run_cli("convert", "--help").stdout
+    out = run_cli("convert", tiny_llama, tmp_path / "o", "--mp", 2, "--verify", "--prompt-ids", "3,17,42").stdout
+    assert "PASS  generate" in out and out.rstrip().endswith("OK"), out
+    proc = run_cli("convert", tiny_llama, tmp_path / "o2", "--mp", 2, "--prompt-ids", "3", check=False)
+    assert proc.returncode == 2 and "add --verify" in proc.stderr

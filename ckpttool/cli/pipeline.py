@@ -31,12 +31,18 @@ from ckpttool.cli.options import (
     require_torch,
     verbose,
 )
+from ckpttool.cli.verify import parse_ids
 from ckpttool.errors import RecipeError
 from ckpttool.recipe import Recipe, bundled_recipes, load_recipe, preset
 from ckpttool.runner import Request, RunReport, reports_here, run as run_request
 
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bf16: dequantize FP8 weights; fp8: keep them (with split scales).")]
 VerifyOpt = Annotated[bool, typer.Option("--verify", help="After publishing, run `ckpttool verify` on the output.")]
+PromptOpt = Annotated[Optional[str], typer.Option(
+    "--prompt", help="--verify: text to continue, tokenized with the output's tokenizer.json (default 'hello world').")]
+PromptIdsOpt = Annotated[Optional[str], typer.Option(
+    "--prompt-ids", help="--verify: token ids to continue instead of --prompt, e.g. 0,5,9 (for a checkpoint "
+                         "without tokenizer.json).")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a recipe key: shard.mp=4, execution.workers=8.")]
 
 
@@ -174,7 +180,8 @@ def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, hel
 
 
 def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None,
-            verify: VerifyOpt = False, max_memory: MaxMemory = None, workers: Workers = None,
+            verify: VerifyOpt = False, prompt: PromptOpt = None, prompt_ids: PromptIdsOpt = None,
+            max_memory: MaxMemory = None, workers: Workers = None,
             processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
             overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
             json_: Json = False) -> None:
@@ -190,21 +197,25 @@ def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mt
     """
     if verify and mp is None:
         raise RecipeError("--verify loads model-parallel shards", fix="add --mp N")
+    if (prompt is not None or prompt_ids is not None) and not verify:
+        raise RecipeError("--prompt and --prompt-ids are what --verify generates from", fix="add --verify")
     if verify:
         require_torch("convert --verify", "verify")
     recipe = _convert_recipe("convert", mp, dtype, keep_mtp, device if verify else None, max_memory, workers, device,
-                             max_input_files, processes)
+                             max_input_files, processes, prompt=prompt,
+                             prompt_ids=None if prompt_ids is None else parse_ids(prompt_ids))
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
              hub_input=True)
 
 
 def _convert_recipe(name: str, mp: int | None, dtype: str | None, keep_mtp: bool | None, verify_device: str | None,
                     max_memory: str | None, workers: int | None, device: str, max_input_files: int | None,
-                    processes: int | None = None) -> Recipe:
+                    processes: int | None = None, *, prompt: str | None = None,
+                    prompt_ids: list[int] | None = None) -> Recipe:
     """convert's flags as a recipe; `plan` takes the same flags and defaults, so it previews convert."""
     return preset(name, dequant=_dequant_flag(dtype, True), mp=mp, keep_mtp=keep_mtp, verify_device=verify_device,
-                  max_memory=max_memory, workers=workers, processes=processes, device=device,
-                  max_input_files=max_input_files)
+                  verify_prompt=prompt, verify_prompt_ids=prompt_ids, max_memory=max_memory, workers=workers,
+                  processes=processes, device=device, max_input_files=max_input_files)
 
 
 def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.safetensors shards and config.json.")],
