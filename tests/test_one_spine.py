@@ -150,14 +150,14 @@ def test_one_source_of_defaults(tmp_path):
 def test_convert_verify_compares_with_the_input_where_it_fits(tiny_v3, tmp_path, monkeypatch):
     """`convert --verify` checks the output against the checkpoint it was converted from (transformers'
     model of it), and where loading that whole would not be safe here it says so instead."""
-    from ckpttool import runner
+    from ckpttool.verify import preflight
 
     report = json.loads(run_cli("convert", tiny_v3, tmp_path / "a", "--mp", 2, "--verify", "--json").stdout)
     reference = report["verify"]["checks"]["reference"]
     assert report["ok"] and reference["ok"] and "against transformers" in reference["detail"], reference
     assert "verify_reference_skipped" not in report
 
-    monkeypatch.setattr(runner, "REFERENCE_RAM_FRACTION", 1e-9)  # as if the input were far too large here
+    monkeypatch.setattr(preflight, "REFERENCE_RAM_FRACTION", 1e-9)  # as if the input were far too large here
     report = json.loads(run_cli("convert", tiny_v3, tmp_path / "b", "--mp", 2, "--verify", "--json").stdout)
     assert report["ok"] and "reference" not in report["verify"]["checks"]
     assert "would load it whole in float32" in report["verify_reference_skipped"]

@@ -45,6 +45,10 @@ Processes = Annotated[Optional[int], typer.Option(
 MaxInputFiles = Annotated[Optional[int], typer.Option(
     "--max-input-files", min=1, help="Input from a hub repo id: files on disk at once, each deleted once converted "
                                      f"(default {defaults.MAX_INPUT_FILES}; raised where the plan needs more at once).")]
+Revision = Annotated[Optional[str], typer.Option(
+    "--revision", help="A hub input's branch, tag or commit (default main; also SRC@revision, as namespace/name@v1.0).")]
+Token = Annotated[Optional[str], typer.Option(
+    "--token", help="Hub token for a private or gated repo (default: HF_TOKEN or the saved `hf auth login` token).")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace ckpttool output already in DST.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in DST; byte-identical result.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit; reads no weights.")]
