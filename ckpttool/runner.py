@@ -81,6 +81,10 @@ class Request:
     token: str | None = None  # the hub token (--token); never in a recipe, a plan or a report
 
 
+NUMPY_LOOPS = ("dequantized on the CPU by numpy's loops, about 3x slower than compiled ones: no C compiler was "
+               "found at install and numba is not in use (install gcc and reinstall, or pip install 'ckpttool[fast]')")
+
+
 @dataclass
 class RunResult:
     plan: Plan
@@ -92,6 +96,13 @@ class RunResult:
     timings: Timings | None = None
     download: dict | None = None  # converting from a repo id: what was fetched, how fast, the peak disk
     processes: int = 1  # forked processes that shared the output files (defaults.layout)
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the user should know about how the run went (the report prints them, --json carries them)."""
+        if self.timings is not None and self.timings.counts.get("chunks_by_cpu_loops_numpy"):
+            return [NUMPY_LOOPS]
+        return []
 
     def summary(self) -> dict:
         return {
@@ -107,6 +118,7 @@ class RunResult:
             "already_complete": self.already_complete,
             "plan_hash": self.plan.hash,
             "notes": self.plan.notes,
+            "warnings": self.warnings,
             **({"timing": self.timings.to_json()} if self.timings is not None else {}),
             **({"download": self.download} if self.download is not None else {}),
         }

@@ -275,3 +275,31 @@ def test_convert_verify_without_a_tokenizer_says_so_before_converting_and_takes_
     assert "PASS  generate" in out and out.rstrip().endswith("OK"), out
     proc = run_cli("convert", tiny_llama, tmp_path / "o2", "--mp", 2, "--prompt-ids", "3", check=False)
     assert proc.returncode == 2 and "add --verify" in proc.stderr
+
+
+def test_bare_ckpttool_prints_the_help_and_no_empty_error():
+    from conftest import run_cli_process
+
+    proc = run_cli_process()
+    assert proc.returncode == 0 and "Usage: ckpttool" in proc.stdout and "Commands" in proc.stdout, proc
+    assert "error" not in proc.stderr and proc.stderr.strip() == "", proc.stderr
+
+
+def test_every_command_takes_quiet_and_every_reporting_one_json(tiny_v3, tmp_path):
+    """README: every command accepts --quiet / -q (no progress output; errors still printed)."""
+    from ckpttool.cli.app import COMMANDS
+    from conftest import run_cli
+
+    for name, _ in COMMANDS:
+        help_text = run_cli(name, "--help").stdout
+        assert "--quiet" in help_text and "-q" in help_text, name
+        if name != "demo":
+            assert "--json" in help_text, name
+    run_cli("convert", tiny_v3, tmp_path / "o", "--mp", 2, "-q")
+    assert run_cli("plan", tiny_v3, "--mp", 2, "-q").stdout.startswith("plan ")  # the plan is the report
+    checked = run_cli("inspect", tmp_path / "o", "--check", "-q").stdout
+    assert checked.startswith("intact: ") and " ok " not in checked, checked  # only failures and the verdict
+    (tmp_path / "o" / "model1-mp2.safetensors").write_bytes(b"x")
+    damaged = run_cli("inspect", tmp_path / "o", "--check", "-q", check=False)
+    assert damaged.returncode == 1 and damaged.stdout.splitlines()[0].startswith("  BAD model1-mp2"), damaged.stdout
+    assert "model0-mp2" not in damaged.stdout

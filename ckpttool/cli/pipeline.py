@@ -92,9 +92,8 @@ def _print_result(report: RunReport) -> None:
         print(_download_line(result.download))
     for note in result.plan.notes:
         print(f"  - {note}")
-    if result.timings is not None and result.timings.counts.get("chunks_by_cpu_loops_numpy"):
-        print("  - dequantized on the CPU by numpy's loops, about 3x slower than compiled ones: no C compiler was "
-              "found at install and numba is not in use (install gcc and reinstall, or pip install 'ckpttool[fast]')")
+    for warning in result.warnings:
+        print(f"  - {warning}")
     if report.verify is not None:  # each check and what it found, not just the verdict
         print(report.verify.render(result.dst))
     if report.reference_skipped:
