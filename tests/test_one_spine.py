@@ -173,3 +173,20 @@ def test_verbose_shows_the_traceback_and_where_the_time_went(tiny_v3, tmp_path):
         run_cli("-v", "convert", tmp_path / "missing", tmp_path / "c")
     plain = run_cli("convert", tmp_path / "missing", tmp_path / "c", check=False)
     assert plain.returncode == 1 and "Traceback" not in plain.stderr and "error: input directory does not exist" in plain.stderr
+
+
+def test_sizes_read_as_pydantic_bytesize_reads_them(tiny_v3):
+    """8GB and 8G are 10^9-byte units, 8GiB 2^30-byte ones (pydantic's ByteSize, llama.cpp's --split-max-size);
+    --help says which."""
+    from pydantic import ByteSize, TypeAdapter
+
+    for text in ("8G", "8GB", "8gb", "8GiB", "512MiB", "512MB", "1.5GB", "0.5GiB", "4 GiB", "100", "2T", "3K"):
+        assert defaults.parse_size(text) == int(TypeAdapter(ByteSize).validate_python(text)), text
+    assert defaults.parse_size("8G") == defaults.parse_size("8GB") == 8 * 10**9
+    assert defaults.parse_size("8GiB") == 8 * 2**30 and defaults.parse_size("50GB") == 50 * 10**9
+    for bad in ("8 gigs", "-1GB", "GB", ""):
+        with pytest.raises(ValueError, match="8GB and 8G are 8 x 10\\^9 bytes, 8GiB is 8 x 2\\^30"):
+            defaults.parse_size(bad)
+    planned = json.loads(run_cli("plan", tiny_v3, "--max-memory", "20MB", "--json").stdout)
+    assert planned["max_memory"] == 20_000_000
+    assert "8GiB is 8 x 2^30" in " ".join(run_cli("convert", "--help").stdout.replace("│", " ").split())

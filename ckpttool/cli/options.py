@@ -31,7 +31,8 @@ Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda: where 
                                                     "the cores (from about 29 GB of output on 2 cores, 520 GB on 4; "
                                                     "never on 8+).")]
 MaxMemory = Annotated[Optional[str], typer.Option(
-    "--max-memory", help=f"Memory budget for tensors in flight, e.g. 8GiB (default {defaults.MAX_MEMORY}).")]
+    "--max-memory", help=f"Memory budget for tensors in flight, e.g. 8GiB (default {defaults.MAX_MEMORY}; "
+                         f"{defaults.SIZE_UNITS}).")]
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", min=1,
     help=f"Parallel tensor workers, in all processes (default: in one process one per core this process may use "

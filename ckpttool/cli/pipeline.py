@@ -225,7 +225,7 @@ def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.
           dst: Dst,
           max_shard_size: Annotated[str, typer.Option(
               "--max-shard-size", help="Largest output file before splitting into model-0000i-of-0000n "
-                                       "(the default is transformers').")] = defaults.MAX_SHARD_SIZE,
+                                       f"(the default is transformers'; {defaults.SIZE_UNITS}).")] = defaults.MAX_SHARD_SIZE,
           max_memory: MaxMemory = None, workers: Workers = None, processes: Processes = None,
           overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
           json_: Json = False) -> None:
