@@ -129,6 +129,10 @@ class Family:
     transformers_types: dict[str, str] = field(default_factory=dict)
     """model_type -> the transformers model_type implementing it, where transformers names it otherwise
     (Kimi-K2 ships remote code for the DeepSeek-V3 architecture): verify's oracle"""
+    buffer_leaves: tuple[str, ...] = ()
+    """last name components of tensors transformers' model holds as buffers, not parameters (DeepSeek-V3's and
+    GLM's router `e_score_correction_bias`): the index's `total_parameters`, as transformers writes it
+    (`model.num_parameters()`), leaves them out"""
     explicit_config: Callable[[dict, object], dict] | None = None
     """(config.json dict, its path) -> the same config with the routing and rope fields stated that
     transformers fills from its class defaults (or hard-codes) and omits when it saves a config:

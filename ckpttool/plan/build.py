@@ -93,7 +93,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     input_order = sorted(ckpt.files)
     if spec.mp is None:
         files = layout(tensors, input_order)
-        index = hf_index(files)
+        index = hf_index(files, family.buffer_leaves)
         fmt = "hf"
     else:
         files_of = {t.name: str(ckpt.root / t.file) for t in tensors}
