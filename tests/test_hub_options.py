@@ -32,14 +32,20 @@ CONVERT = ("--mp", "2", "--device", "cpu", "--workers", "2")
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
     """Two commits of one model: v1 and main hold different weights (seeds), the same names."""
+    import shutil
+
     root = tmp_path_factory.mktemp("src")
-    return {"v1": build_checkpoint(root / "v1", "tiny-v3", seed=5), "main": build_checkpoint(root / "main", "tiny-v3")}
+    found = {"v1": build_checkpoint(root / "v1", "tiny-v3", seed=5), "main": build_checkpoint(root / "main", "tiny-v3")}
+    found["files"] = Path(shutil.copytree(found["main"], root / "files"))
+    (found["files"] / "original").mkdir()
+    (found["files"] / "original" / "params.json").write_text('{"dim": 64}\n')
+    return found
 
 
 @pytest.fixture(scope="module")
 def server(sources):
     repos = [load_repo("org/rev", sources["main"]), load_repo("org/rev", sources["v1"], revisions=("v1", "refs/pr/1")),
-             load_repo("org/private", sources["main"], token=TOKEN), load_repo("org/files", sources["main"]),
+             load_repo("org/private", sources["main"], token=TOKEN), load_repo("org/files", sources["files"]),
              load_repo("org/cached", sources["v1"]), load_repo("org/never-cached", sources["v1"])]
     with HubServer(repos) as hub:
         yield hub
@@ -94,7 +100,6 @@ def test_download_of_a_mistyped_file_names_the_nearest_and_fetches_nothing(hub, 
 
 def test_download_named_files_and_folders_and_patterns_into_a_local_dir(hub, tmp_path, sources):
     env = hub_env(hub.url, tmp_path / "home")
-    src = sources["main"]
     done = cli(env, "download", "org/files", "config.json", "tokenizer.json", "--local-dir", tmp_path / "two", "--json")
     assert done.returncode == 0, done.stderr
     assert files_in(tmp_path / "two") == {"config.json", "tokenizer.json"}
@@ -102,11 +107,13 @@ def test_download_named_files_and_folders_and_patterns_into_a_local_dir(hub, tmp
     done = cli(env, "download", "org/files", "--local-dir", tmp_path / "json", "--include", "*.json",
                "--exclude", "tokenizer*")
     assert done.returncode == 0, done.stderr
-    assert files_in(tmp_path / "json") == {n for n in files_in(src) if n.endswith(".json") and
+    assert files_in(tmp_path / "json") == {n for n in files_in(sources["files"]) if n.endswith(".json") and
                                            not n.startswith("tokenizer")}
+    folder = cli(env, "download", "org/files", "original/", "--local-dir", tmp_path / "folder")  # a folder, as hf
+    assert folder.returncode == 0 and files_in(tmp_path / "folder") == {"original/params.json"}, folder.stderr
     legacy = cli(env, "download", "org/files", tmp_path / "all", "-q")  # `download REPO DST` of earlier versions
     assert legacy.returncode == 0 and Path(legacy.stdout.strip()) == (tmp_path / "all").resolve(), legacy.stderr
-    assert files_in(tmp_path / "all") == files_in(src)
+    assert files_in(tmp_path / "all") == files_in(sources["files"])
 
 
 def test_download_into_a_cache_dir_and_not_with_a_local_dir_too(hub, tmp_path, sources):

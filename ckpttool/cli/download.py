@@ -15,11 +15,13 @@ from ckpttool.cli.options import Json, Quiet, Revision, Token
 
 def _legacy_destination(files: list[str], local_dir: Optional[Path]) -> Optional[Path]:
     """`ckpttool download REPO DST`, as earlier versions took it: a single argument that is a path (./d,
-    ../d, /d, ~/d, or a directory that exists), never a bare name, which `hf download` reads as a file."""
+    ../d, /d, ~/d, or a directory that exists), never a bare name, which `hf download` reads as a file, nor
+    `name/`, its folder of the repo."""
     if len(files) != 1 or local_dir is not None:
         return None
     text = files[0]
-    if text.startswith(("./", "../", "/", "~")) or text in (".", "..") or Path(text).expanduser().is_dir():
+    if text.startswith(("./", "../", "/", "~")) or text in (".", "..") or \
+            (not text.endswith("/") and Path(text).expanduser().is_dir()):
         return Path(text).expanduser()
     return None
 
