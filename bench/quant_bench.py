@@ -25,7 +25,7 @@ import torch
 
 from kernel_bench import peak_bandwidth, time_cuda  # bench/ is the script's directory
 
-from ckpttool.formats import BY_NAME
+from ckpttool.formats import BY_NAME, Chunk
 
 FORMATS = ("fp8_block", "ct_int4_g32", "ct_fp8_channel", "ct_nvfp4", "modelopt_nvfp4")
 
@@ -76,6 +76,11 @@ def cuda_call_times(fn, calls: int = 20) -> dict[str, float]:
     return {"streamed": streamed, "graph": replay, "host": host}
 
 
+def chunk(name: str, x, s, dtype: str, global_scale: float) -> Chunk:
+    """A row's kernel input: values, their scale rows and (NVFP4) the global scale, unused by the other rows."""
+    return Chunk(x, dtype, {"scale": s}, {"scale": BY_NAME[name].side("scale").dtypes[0]}, global_scale)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=7168)
@@ -88,8 +93,7 @@ def main() -> int:
     rows, cols = args.rows, args.cols
     gen = torch.Generator().manual_seed(0)
     data = {n: inputs(n, rows, cols, gen) for n in FORMATS}
-    kw = {n: ({"global_scale": 2688.0 / 3.1 if n.startswith("ct") else 3.1 / 2688.0} if BY_NAME[n].global_leaf else {})
-          for n in FORMATS}
+    kw = {n: (2688.0 / 3.1 if n.startswith("ct") else 3.1 / 2688.0) for n in FORMATS}
     result: dict = {"shape": [rows, cols], "out_dtype": "BF16", "torch": torch.__version__, "cpu": {}, "cuda": None}
 
     times: dict[str, list[float]] = {n: [] for n in FORMATS}
@@ -98,7 +102,7 @@ def main() -> int:
             x, s, dtype = data[n]
             xs, ss = carrier(x), carrier(s)
             t0 = time.perf_counter()
-            BY_NAME[n].cpu(xs, ss, dtype, "BF16", **kw[n])
+            BY_NAME[n].cpu(chunk(n, xs, ss, dtype, kw[n]), "BF16", None)
             if rep:  # the first round warms tables and caches
                 times[n].append(time.perf_counter() - t0)
     for n in FORMATS:
@@ -116,7 +120,8 @@ def main() -> int:
         for n in FORMATS:
             x, s, _ = data[n]
             xc, sc = x.cuda(), (s.float() if n == "fp8_block" else s).cuda()
-            calls[n] = (lambda xc=xc, sc=sc, n=n: BY_NAME[n].cuda(xc, sc, torch.bfloat16, **kw[n]))
+            on_gpu = chunk(n, xc, sc, data[n][2], kw[n])
+            calls[n] = (lambda c=on_gpu, n=n: BY_NAME[n].cuda(c, torch.bfloat16))
         names = list(FORMATS)
         if args.seeds:
             sys.path.insert(0, os.path.abspath(args.seeds))

@@ -1,6 +1,6 @@
 """The units of work the executor schedules, and how each one streams its bytes.
 
-A `Task` is one input tensor (plus its scale) and every output piece made from it. It streams its
+A `Task` is one input tensor (plus the tensors its format stores beside it) and every output piece made from it. It streams its
 source in runs of dim-0 rows: read the rows, transform them (FP8/MXFP4 dequant, on CPU or CUDA), and
 pwrite each piece's share of them at its planned offset. Each run of rows (one chunk) is a work item
 of its own (`Task.row_runs`), so several workers stream one large tensor at once. Rows no remaining
@@ -28,28 +28,42 @@ from ckpttool.execute.cuda import CudaTransforms
 from ckpttool.execute.gather import GatherTask
 from ckpttool.execute.osutil import in_memory_fs
 from ckpttool.execute.staging import Staging
-from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS, QuantFormat, with_leaf
+from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS, Chunk
+from ckpttool.formats.row import BY_ROWS, Side, bad_row
 from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.io.safetensors import TensorInfo, array_from_bytes
-from ckpttool.kernels import fp8_cpu, fp8_gather
+from ckpttool.kernels import fp8_gather
 from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.plan.types import PlacedTensor, Plan
 
 
 
+@dataclass(frozen=True, slots=True)
+class SideInput:
+    """A tensor a dequant transform reads beside its values: its row's description, name, file and header."""
+
+    side: Side
+    name: str
+    file: str
+    info: TensorInfo
+
+
 @dataclass(slots=True)
 class Task:
-    """All output pieces made from one input tensor (and its scale): read once, write many."""
+    """All output pieces made from one input tensor (and the tensors beside it): read once, write many."""
 
     source: str
     file: str  # the input file holding `source`
     info: TensorInfo
     transform: str | None
-    scale: str | None
-    scale_file: str | None
-    scale_info: TensorInfo | None
+    sides: tuple[SideInput, ...]
     out_dtype: str
     pieces: list[tuple[str, PlacedTensor]] = field(default_factory=list)  # (output file, placement)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The input files this task reads."""
+        return tuple(dict.fromkeys((self.file, *(s.file for s in self.sides))))
 
     @property
     def rows(self) -> int:
@@ -81,8 +95,8 @@ class Task:
         if self.transform is None:
             return 2 * src
         out = BY_NAME[self.transform].out_per_source_row(info.shape) * rows
-        scale = self.scale_info.nbytes if self.scale_info is not None else 0
-        return src + scale + out * (2 * itemsize(self.out_dtype) + 4)
+        sides = sum(s.info.nbytes for s in self.sides)  # whole, at most (a run's rows of them, for BY_ROWS sides)
+        return src + sides + out * (2 * itemsize(self.out_dtype) + 4)
 
     @property
     def nbytes_out(self) -> int:
@@ -148,13 +162,14 @@ def make_tasks(plan: Plan, inputs: ShardFiles, done: set[tuple[str, str]], publi
                 gathers.append(GatherTask(f.name, p, [(file, inputs.info(file, name)) for file, name in t.parts],
                                           t.concat_dim))
                 continue
-            key = (t.source, t.transform, t.scale, t.dtype if t.transform else None)
+            key = (t.source, t.transform, t.sides, t.dtype if t.transform else None)
             task = tasks.get(key)
             if task is None:
                 src = inputs.source(t.source)
-                scale = inputs.source(t.scale) if t.scale else None
-                task = tasks[key] = Task(t.source, src.file, src.info, t.transform, t.scale,
-                                         scale.file if scale else None, scale.info if scale else None, t.dtype)
+                roles = BY_NAME[t.transform].read_sides if t.transform in BY_NAME else ()
+                sides = tuple(SideInput(side, name, (s := inputs.source(name)).file, s.info)
+                              for side, name in zip(roles, t.sides))
+                task = tasks[key] = Task(t.source, src.file, src.info, t.transform, sides, t.dtype)
             task.pieces.append((f.name, p))
     return [*tasks.values(), *gathers]
 
@@ -186,22 +201,50 @@ def _needed_rows(task: Task) -> tuple[int, int]:
     return (lo // fmt.row_align * fmt.row_align if fmt else lo), hi
 
 
-def _check_scale_values(inputs: ShardFiles, task: Task, scale: np.ndarray) -> None:
-    if not (np.isfinite(scale).all() and (scale > 0).all()):
-        raise InputError("scale holds non-finite or non-positive values", file=inputs.root / task.scale_file,
-                         tensor=task.scale, fix="the checkpoint is corrupt; re-download this shard")
-
-
-def _global_scale(inputs: ShardFiles, task: Task, fmt: QuantFormat) -> float:
-    """The one fp32 value beside the weight that scales all of it (NVFP4), checked."""
-    name = with_leaf(fmt.base_of(task.source), fmt.global_leaf)
-    src = inputs.source(name)
-    value = float(array_from_bytes(inputs.read_from(src.file, name), "F32", src.info.shape).reshape(-1)[0])
-    problem = fmt.check_global(value)
-    if problem:
-        raise InputError(problem, file=inputs.root / src.file, tensor=name,
+def _checked(inputs: ShardFiles, task: Task, side: SideInput, values: np.ndarray, row0: int = 0) -> np.ndarray:
+    """A side tensor's values (or rows from row0 of them), refused if a scale holds a NaN or an infinity
+    (formats.row.bad_row: the same check for every format)."""
+    bad = bad_row(side.side, values, side.info.dtype)
+    if bad is not None:
+        what = "non-finite or non-positive values" if side.side.positive else "NaN or infinite values"
+        raise InputError(f"{side.side.role} {side.name!r} holds {what} (first in row {row0 + bad})",
+                         file=inputs.root / side.file, tensor=task.source,
                          fix="the checkpoint is corrupt; re-download this shard")
-    return value
+    return values
+
+
+def _whole_sides(inputs: ShardFiles, task: Task) -> tuple[dict[str, np.ndarray], float]:
+    """The sides read once per tensor (checked), by role, and the global scale (1.0 where there is none)."""
+    whole, global_scale = {}, 1.0
+    fmt = BY_NAME[task.transform]
+    for s in task.sides:
+        if s.side.read == BY_ROWS:
+            continue
+        values = array_from_bytes(inputs.read_from(s.file, s.name), s.info.dtype, s.info.shape)
+        if s.side.role == "global":  # the row's own check, which says what a global scale must be
+            global_scale = float(values.reshape(-1)[0])
+            problem = fmt.check_global(global_scale)
+            if problem:
+                raise InputError(problem, file=inputs.root / s.file, tensor=s.name,
+                                 fix="the checkpoint is corrupt; re-download this shard")
+        else:
+            whole[s.side.role] = _checked(inputs, task, s, values)
+    return whole, global_scale
+
+
+def _chunk(inputs: ShardFiles, task: Task, x: np.ndarray, r0: int, r1: int, whole: dict[str, np.ndarray],
+           global_scale: float) -> Chunk:
+    """Rows [r0, r1) of the values with the side rows they need."""
+    sides = {}
+    for s in task.sides:
+        if s.side.role == "global":
+            continue
+        a, b = s.side.rows(r0, r1)
+        if s.side.read == BY_ROWS:
+            sides[s.side.role] = _checked(inputs, task, s, inputs.read_rows(s.file, s.info, a, b), a)
+        else:
+            sides[s.side.role] = whole[s.side.role][a:b]
+    return Chunk(x, task.info.dtype, sides, {s.side.role: s.info.dtype for s in task.sides}, global_scale)
 
 
 def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
@@ -230,22 +273,15 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
     n_rows = task.rows
     lo, hi = rows if rows is not None else _needed_rows(task)
     fmt = BY_NAME[task.transform] if task.transform else None
-    if fmt is not None and fmt.global_leaf:
-        fmt = fmt.bind(_global_scale(inputs, task, fmt))
-    scale_full = None
-    if task.scale is not None and fmt is not None and fmt.scale_whole:
-        scale_info = task.scale_info
-        scale_full = array_from_bytes(inputs.read_from(task.scale_file, task.scale), scale_info.dtype, scale_info.shape)
-        _check_scale_values(inputs, task, scale_full)  # tiny: one float per block
+    whole, global_scale = _whole_sides(inputs, task) if fmt is not None else ({}, 1.0)
     step = task.chunk_rows(chunk_bytes)
-    scale_dtype = task.scale_info.dtype if task.scale_info is not None else None
     scalar = not info.shape
     in_row_bytes = info.nbytes // max(n_rows, 1)
     if fmt is not None and not scalar:
         out_row_bytes = fmt.out_per_source_row(info.shape) * itemsize(task.out_dtype)
-    # the FP8 kernel writes into this thread's reusable buffer (only without a GPU: its pinned buffers
+    # a kernel that can writes into this thread's reusable buffer (only without a GPU: its pinned buffers
     # are the reusable ones there)
-    into = gpu is None and fmt is not None and not scalar and fmt.cpu is fp8_cpu.dequant
+    into = gpu is None and fmt is not None and not scalar and fmt.cpu_into
     # on the CPU from an input in RAM, rows are read through the file's mapping, not copied out of it
     mapped = gpu is None and not scalar and _in_ram(inputs)
     for r0 in range(lo, hi, step):
@@ -261,21 +297,17 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
             if mapped:
                 clock.count("chunks_read_mapped")
             if fmt is not None:
-                s0, s1 = fmt.scale_rows(r0, r1)
-                scale = scale_full[s0:s1] if scale_full is not None else \
-                    inputs.read_rows(task.scale_file, task.scale_info, s0, s1)
+                chunk = _chunk(inputs, task, x, r0, r1, whole, global_scale)
         if fmt is not None:
             if gpu is None:
                 clock.count(f"chunks_by_cpu_loops_{fp8_gather.cpu_loops() if fmt.cpu_compiled else 'numpy_only'}")
             with clock.activity("transform"):
                 try:
                     if gpu is not None:
-                        x = gpu.apply(fmt, x, scale, info.dtype, scale_dtype, task.out_dtype)
-                    elif into:
-                        x = fp8_cpu.dequant(x, scale, info.dtype, task.out_dtype,
-                                            out=scratch("out", (r1 - r0) * out_row_bytes))
+                        x = gpu.apply(fmt, chunk, task.out_dtype)
                     else:
-                        x = fmt.cpu(x, scale, info.dtype, task.out_dtype)
+                        x = fmt.cpu(chunk, task.out_dtype, scratch("out", (r1 - r0) * out_row_bytes) if into else None)
+                    del chunk
                 except NaNCodes as exc:  # the kernel saw rows r0.. of the tensor
                     raise NaNCodes(None if exc.row is None else r0 + exc.row,
                                    file=inputs.root / task.file, tensor=task.source) from None

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Callable
 from ckpttool.errors import InputError
 from ckpttool.formats import compressed, modelopt
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
-from ckpttool.formats.row import Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
+from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
+from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
 from ckpttool.kernels.fp8 import BLOCK, FP8_DTYPES, quantize_fp8_block  # noqa: F401 - FP8_DTYPES re-exported
 from ckpttool.kernels.quant import INT4_GROUP_SIZES, pack_int4, quantize_int4_grouped, quantize_int8_per_channel
 
@@ -35,16 +36,16 @@ if TYPE_CHECKING:
 
 DEQUANT_FORMATS: tuple[QuantFormat, ...] = (FP8_BLOCK, MXFP4, *compressed.ROWS, *modelopt.ROWS)
 BY_NAME: dict[str, QuantFormat] = {f.name: f for f in DEQUANT_FORMATS}
-COMPANIONS: tuple[Companion, ...] = tuple(f.companion for f in DEQUANT_FORMATS if f.companion is not None)
-UNDECLARED = (FP8_BLOCK, MXFP4)
+COMPANIONS: tuple[Companion, ...] = tuple(dict.fromkeys(f.companion for f in DEQUANT_FORMATS if f.companion is not None))
+UNDECLARED = (Rule(FP8_BLOCK, "(no quantization_config)"), Rule(MXFP4, "(no quantization_config)"))
 """what a checkpoint without a quantization config may hold (as before configs named them)"""
 HF_QUANT_CONFIG = modelopt.HF_QUANT_CONFIG
 SUPPORTED_METHODS = ("fp8", "mxfp4", compressed.METHOD, modelopt.METHOD)
 
 
-def declared_formats(quant: object, hf_quant: dict | None, config_path: object,
-                     hf_quant_path: object = None) -> tuple[QuantFormat, ...]:
-    """The rows config.json's quantization_config (and ModelOpt's hf_quant_config.json, if present)
+def declared_rules(quant: object, hf_quant: dict | None, config_path: object,
+                   hf_quant_path: object = None) -> tuple[Rule, ...]:
+    """The rules config.json's quantization_config (and ModelOpt's hf_quant_config.json, if present)
     declare, read as the library that wrote them reads them. Any other method or format is refused by
     name: a plan never passes weights through under a quantization_config it does not understand."""
     if quant is not None and not isinstance(quant, dict):
@@ -56,9 +57,9 @@ def declared_formats(quant: object, hf_quant: dict | None, config_path: object,
     if not quant:
         return UNDECLARED
     if method == "fp8":
-        return (FP8_BLOCK,)
+        return (Rule(FP8_BLOCK, "quantization_config"),)
     if method == "mxfp4":
-        return (MXFP4,)
+        return (Rule(MXFP4, "quantization_config"),)
     if method == compressed.METHOD:
         return compressed.declared(quant, config_path)
     raise InputError(f"quantization_config quant_method {method!r} is not a format ckpttool reads", file=config_path,

@@ -10,7 +10,7 @@ from ckpttool.dtypes import torch_installed
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.base import unstack_experts
 from ckpttool.families.table import family_for
-from ckpttool.formats import CKPTTOOL_QUANTIZATION, HF_QUANT_CONFIG, declared_formats, quantized_config
+from ckpttool.formats import CKPTTOOL_QUANTIZATION, HF_QUANT_CONFIG, declared_rules, quantized_config
 from ckpttool.io.checkpoint import Checkpoint, ShardFiles
 from ckpttool.io.layout import mp_file
 from ckpttool.plan import dequant as dequant_stage
@@ -62,11 +62,11 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
 
     tensors = [TensorPlan(name, s.info.dtype, s.info.shape, source=name, file=s.file)
                for name, s in sorted(ckpt.tensors.items())]
-    formats = _declared_formats(ckpt)
-    dequant_stage.check_scales(tensors, ckpt, formats)
-    _check_against_config(tensors, family, cfg, ckpt, formats)
+    rules = _declared_rules(ckpt)
+    dequant_stage.check_scales(tensors, ckpt, rules)
+    _check_against_config(tensors, family, cfg, ckpt, rules)
     if not spec.dequant:
-        dequant_stage.refuse_kept(tensors, formats, config_path)
+        dequant_stage.refuse_kept(tensors, rules, config_path)
     notes = [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
 
     mtp = [t for t in tensors if family.is_mtp_tensor(cfg, t.name)]
@@ -78,7 +78,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         raise PlanError(f"the quantize stage ({spec.quantize}) needs torch, which the core install leaves out",
                         file=config_path, fix="pip install 'ckpttool[quantize]'")
     if spec.dequant:
-        tensors, n_quant = dequant_stage.dequant(tensors, formats, spec.out_dtype)
+        tensors, n_quant = dequant_stage.dequant(tensors, rules, spec.out_dtype)
         notes.append(f"dequantized {n_quant} quantized weights to {spec.out_dtype}" if n_quant else
                      "no quantized weights found: tensors are copied unchanged")
 
@@ -113,11 +113,11 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
                 config=config, copies=copies, notes=notes)
 
 
-def _declared_formats(ckpt: Checkpoint):
+def _declared_rules(ckpt: Checkpoint):
     """The quantization formats config.json (and ModelOpt's hf_quant_config.json) declare; others are refused."""
     hf_quant = ckpt.side_object(HF_QUANT_CONFIG, fix="re-download it, or delete it if the checkpoint is not "
                                                      "ModelOpt-quantized")
-    return declared_formats(ckpt.config.get("quantization_config"), hf_quant, ckpt.root / "config.json",
+    return declared_rules(ckpt.config.get("quantization_config"), hf_quant, ckpt.root / "config.json",
                             ckpt.root / HF_QUANT_CONFIG)
 
 
@@ -126,13 +126,13 @@ def input_fingerprints(inputs: ShardFiles) -> dict[str, dict]:
     return {name: inputs.header_fingerprint(name) for name in sorted(inputs.files)}
 
 
-def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoint, formats) -> None:
+def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoint, rules) -> None:
     """The tensors must be exactly what config.json describes: a contradiction means the wrong
     config, a partial download or a different model, and would otherwise surface much later."""
     expected = family.expected_for(cfg, True, n_tensors=len(tensors), source=ckpt.root / "config.json")
     # packed weights as the model tensors they stand for (their names and shapes are the format's)
-    tensors = dequant_stage.dequant(tensors, tuple(f for f in formats if not f.keepable))[0]
-    scales = dequant_stage.scale_names(tensors, formats)
+    tensors = dequant_stage.dequant(tensors, tuple(r for r in rules if not r.row.keepable))[0]
+    scales = dequant_stage.scale_names(tensors, rules)
     actual = {t.name: t for t in tensors if t.name not in scales or t.name in expected}
     config_path = ckpt.root / "config.json"
     for name, t in actual.items():
