@@ -23,29 +23,18 @@ import numpy as np
 
 from ckpttool import defaults
 from ckpttool.dtypes import itemsize
-from ckpttool.errors import InputError
 from ckpttool.execute.cuda import CudaTransforms
 from ckpttool.execute.gather import GatherTask
 from ckpttool.execute.osutil import in_memory_fs
 from ckpttool.execute.staging import Staging
-from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS, Chunk
-from ckpttool.formats.row import BY_ROWS, Side, bad_row
+from ckpttool.execute.reads import SideInput, SideReader, read_span
+from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS
 from ckpttool.io.checkpoint import ShardFiles
-from ckpttool.io.safetensors import TensorInfo, array_from_bytes
+from ckpttool.io.safetensors import TensorInfo
 from ckpttool.kernels import fp8_gather
 from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.plan.types import PlacedTensor, Plan
 
-
-
-@dataclass(frozen=True, slots=True)
-class SideInput:
-    """A tensor a dequant transform reads beside its values: its row's description, name, file and header."""
-
-    side: Side
-    name: str
-    file: str
-    info: TensorInfo
 
 
 @dataclass(slots=True)
@@ -66,21 +55,26 @@ class Task:
         return tuple(dict.fromkeys((self.file, *(s.file for s in self.sides))))
 
     @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The shape of what the task makes (its pieces narrow it): the dequantized shape, or the source's."""
+        fmt = BY_NAME.get(self.transform) if self.transform else None
+        return tuple(fmt.out_shape(self.info.shape)) if fmt is not None else tuple(self.info.shape)
+
+    @property
     def rows(self) -> int:
-        """dim-0 length; a scalar counts as one row."""
-        return self.info.shape[0] if self.info.shape else 1
+        """Output dim-0 length (the source's, but for a transposed format); a scalar counts as one row."""
+        shape = self.out_shape
+        return shape[0] if shape else 1
+
+    def out_row_bytes(self) -> int:
+        return math.prod(self.out_shape[1:]) * itemsize(self.out_dtype if self.transform else self.info.dtype)
 
     def chunk_rows(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
         if self.transform in QUANTIZE_TRANSFORMS:
             return max(1, self.rows)
-        shape = self.info.shape
         fmt = BY_NAME[self.transform] if self.transform else None
         align = fmt.row_align if fmt else 1
-        if fmt:
-            out_row = fmt.out_per_source_row(shape) * itemsize(self.out_dtype)
-        else:
-            out_row = math.prod(shape[1:]) * itemsize(self.info.dtype)
-        rows = max(1, chunk_bytes // max(out_row, 1)) // align * align
+        rows = max(1, chunk_bytes // max(self.out_row_bytes(), 1)) // align * align
         return max(align, rows)
 
     def memory(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
@@ -94,8 +88,8 @@ class Task:
         src = info.nbytes // max(self.rows, 1) * rows
         if self.transform is None:
             return 2 * src
-        out = BY_NAME[self.transform].out_per_source_row(info.shape) * rows
-        sides = sum(s.info.nbytes for s in self.sides)  # whole, at most (a run's rows of them, for BY_ROWS sides)
+        out = math.prod(self.out_shape[1:]) * rows
+        sides = sum(s.info.nbytes for s in self.sides)  # whole, at most (a run's span of them, for BY_ROWS sides)
         return src + sides + out * (2 * itemsize(self.out_dtype) + 4)
 
     @property
@@ -201,52 +195,6 @@ def _needed_rows(task: Task) -> tuple[int, int]:
     return (lo // fmt.row_align * fmt.row_align if fmt else lo), hi
 
 
-def _checked(inputs: ShardFiles, task: Task, side: SideInput, values: np.ndarray, row0: int = 0) -> np.ndarray:
-    """A side tensor's values (or rows from row0 of them), refused if a scale holds a NaN or an infinity
-    (formats.row.bad_row: the same check for every format)."""
-    bad = bad_row(side.side, values, side.info.dtype)
-    if bad is not None:
-        what = "non-finite or non-positive values" if side.side.positive else "NaN or infinite values"
-        raise InputError(f"{side.side.role} {side.name!r} holds {what} (first in row {row0 + bad})",
-                         file=inputs.root / side.file, tensor=task.source,
-                         fix="the checkpoint is corrupt; re-download this shard")
-    return values
-
-
-def _whole_sides(inputs: ShardFiles, task: Task) -> tuple[dict[str, np.ndarray], float]:
-    """The sides read once per tensor (checked), by role, and the global scale (1.0 where there is none)."""
-    whole, global_scale = {}, 1.0
-    fmt = BY_NAME[task.transform]
-    for s in task.sides:
-        if s.side.read == BY_ROWS:
-            continue
-        values = array_from_bytes(inputs.read_from(s.file, s.name), s.info.dtype, s.info.shape)
-        if s.side.role == "global":  # the row's own check, which says what a global scale must be
-            global_scale = float(values.reshape(-1)[0])
-            problem = fmt.check_global(global_scale)
-            if problem:
-                raise InputError(problem, file=inputs.root / s.file, tensor=s.name,
-                                 fix="the checkpoint is corrupt; re-download this shard")
-        else:
-            whole[s.side.role] = _checked(inputs, task, s, values)
-    return whole, global_scale
-
-
-def _chunk(inputs: ShardFiles, task: Task, x: np.ndarray, r0: int, r1: int, whole: dict[str, np.ndarray],
-           global_scale: float) -> Chunk:
-    """Rows [r0, r1) of the values with the side rows they need."""
-    sides = {}
-    for s in task.sides:
-        if s.side.role == "global":
-            continue
-        a, b = s.side.rows(r0, r1)
-        if s.side.read == BY_ROWS:
-            sides[s.side.role] = _checked(inputs, task, s, inputs.read_rows(s.file, s.info, a, b), a)
-        else:
-            sides[s.side.role] = whole[s.side.role][a:b]
-    return Chunk(x, task.info.dtype, sides, {s.side.role: s.info.dtype for s in task.sides}, global_scale)
-
-
 def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
              chunk_bytes: int = defaults.CHUNK_BYTES, rows: tuple[int, int] | None = None,
              ) -> list[tuple[str, PlacedTensor]]:
@@ -273,12 +221,11 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
     n_rows = task.rows
     lo, hi = rows if rows is not None else _needed_rows(task)
     fmt = BY_NAME[task.transform] if task.transform else None
-    whole, global_scale = _whole_sides(inputs, task) if fmt is not None else ({}, 1.0)
+    sides = SideReader(inputs, task.source, fmt, task.sides) if fmt is not None else None
     step = task.chunk_rows(chunk_bytes)
     scalar = not info.shape
     in_row_bytes = info.nbytes // max(n_rows, 1)
-    if fmt is not None and not scalar:
-        out_row_bytes = fmt.out_per_source_row(info.shape) * itemsize(task.out_dtype)
+    out_row_bytes = task.out_row_bytes()
     # a kernel that can writes into this thread's reusable buffer (only without a GPU: its pinned buffers
     # are the reusable ones there)
     into = gpu is None and fmt is not None and not scalar and fmt.cpu_into
@@ -293,11 +240,12 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                 buf = gpu.staging(max(rows_in, rows_out))
             elif gpu is None and not scalar and not mapped:
                 buf = scratch("in", (r1 - r0) * in_row_bytes)
-            x = inputs.read_rows(task.file, info, r0, r1, buf, mapped=mapped)
-            if mapped:
+            axis, a, b = fmt.source_span(r0, r1, info.shape) if fmt is not None else (0, r0, r1)
+            x = read_span(inputs, task.file, info, axis, a, b, into=buf, mapped=mapped)
+            if mapped and axis == 0:
                 clock.count("chunks_read_mapped")
             if fmt is not None:
-                chunk = _chunk(inputs, task, x, r0, r1, whole, global_scale)
+                chunk = sides.chunk(x, info.dtype, r0, r1)
         if fmt is not None:
             if gpu is None:
                 clock.count(f"chunks_by_cpu_loops_{fp8_gather.cpu_loops() if fmt.cpu_compiled else 'numpy_only'}")

@@ -21,10 +21,11 @@ The quantize stage's output formats (fp8_block, int8, int4) are the second table
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
 
 from ckpttool.errors import InputError
-from ckpttool.formats import compressed, modelopt
+from ckpttool.formats import compressed, fp8, modelopt
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
 from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
 from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
@@ -35,12 +36,38 @@ if TYPE_CHECKING:
     import torch
 
 DEQUANT_FORMATS: tuple[QuantFormat, ...] = (FP8_BLOCK, MXFP4, *compressed.ROWS, *modelopt.ROWS)
-BY_NAME: dict[str, QuantFormat] = {f.name: f for f in DEQUANT_FORMATS}
+"""the rows of fixed parameters; the others are made for a config's (formats/fp8.py: FP8 blocks of any size)"""
 COMPANIONS: tuple[Companion, ...] = tuple(dict.fromkeys(f.companion for f in DEQUANT_FORMATS if f.companion is not None))
 UNDECLARED = (Rule(FP8_BLOCK, "(no quantization_config)"), Rule(MXFP4, "(no quantization_config)"))
 """what a checkpoint without a quantization config may hold (as before configs named them)"""
 HF_QUANT_CONFIG = modelopt.HF_QUANT_CONFIG
-SUPPORTED_METHODS = ("fp8", "mxfp4", compressed.METHOD, modelopt.METHOD)
+SUPPORTED_METHODS = (*fp8.METHODS, "mxfp4", compressed.METHOD, modelopt.METHOD)
+
+
+class _Rows(Mapping[str, QuantFormat]):
+    """Every row by the name a plan records (TensorPlan.transform): the fixed rows, then the rows a name's
+    parameters make (`fp8_block:32x32:ue8m0:scale`), so the executor finds any row a plan could name."""
+
+    def __init__(self, rows: tuple[QuantFormat, ...]):
+        self._fixed = {r.name: r for r in rows}
+
+    def __getitem__(self, name: str) -> QuantFormat:
+        row = self._fixed.get(name) or (fp8.named(name) if isinstance(name, str) else None)
+        if row is None:
+            raise KeyError(name)
+        return row
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self._fixed or fp8.named(name) is not None)
+
+    def __iter__(self):
+        return iter(self._fixed)
+
+    def __len__(self) -> int:
+        return len(self._fixed)
+
+
+BY_NAME: Mapping[str, QuantFormat] = _Rows(DEQUANT_FORMATS)
 
 
 def declared_rules(quant: object, hf_quant: dict | None, config_path: object,
@@ -56,8 +83,8 @@ def declared_rules(quant: object, hf_quant: dict | None, config_path: object,
         return modelopt.declared(quant, hf_quant, config_path, hf_quant_path)
     if not quant:
         return UNDECLARED
-    if method == "fp8":
-        return (Rule(FP8_BLOCK, "quantization_config"),)
+    if method in fp8.METHODS:
+        return fp8.declared(quant, config_path)
     if method == "mxfp4":
         return (Rule(MXFP4, "quantization_config"),)
     if method == compressed.METHOD:

@@ -15,7 +15,6 @@ own `decompress` bit for bit.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -75,7 +74,6 @@ def _int4(group: int) -> QuantFormat:
         values=Name("weight_packed"), value_dtypes=("I32",),
         sides=(Side("scale", Name("weight_scale"), ("BF16",), BY_ROWS), SHAPE),
         check=check, out_shape=lambda s: (s[0], s[1] * 8),
-        out_per_source_row=lambda s: math.prod(s[1:]) * 8,
         cpu=lambda c, out, into: scaled_cpu.dequant_int4(c.values, c.scale, "BF16", out), cuda=cuda,
         example=example, keepable=False)
 
@@ -114,7 +112,7 @@ def _fp8(strategy: str) -> QuantFormat:
         name=f"ct_fp8_{strategy}", title=f"compressed-tensors float-quantized FP8 (per {strategy})",
         values=Name("weight"), value_dtypes=("F8_E4M3",),
         sides=(Side("scale", Name("weight_scale"), ("BF16",), WHOLE, rows=rows), INPUT_SCALE),
-        check=check, out_shape=lambda s: s, out_per_source_row=lambda s: math.prod(s[1:]),
+        check=check, out_shape=lambda s: s,
         cpu=lambda c, out, into: scaled_cpu.dequant_fp8_rows(c.values, c.scale, c.dtype, "BF16", out), cuda=cuda,
         example=example, keepable=False)
 
@@ -174,8 +172,7 @@ def nvfp4_row(variant: str, *, values: Name, global_leaf: str, dropped: str, **f
         values=values, value_dtypes=("U8",),
         sides=(Side("scale", Name("weight_scale"), ("F8_E4M3",), BY_ROWS), Side("global", Name(global_leaf), ("F32",)),
                Side("dropped", Name(dropped), read=DROPPED)),
-        check=check_nvfp4, out_shape=lambda s: (s[0], s[1] * 2),
-        out_per_source_row=lambda s: math.prod(s[1:]) * 2, cpu=cpu, cuda=cuda, example=example, keepable=False,
+        check=check_nvfp4, out_shape=lambda s: (s[0], s[1] * 2), cpu=cpu, cuda=cuda, example=example, keepable=False,
         check_global=global_scale_check(variant, global_leaf), **fields)
 
 

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from ckpttool.errors import InputError
-from ckpttool.formats.row import Name, QuantFormat
+from ckpttool.formats.row import QuantFormat
+
+_PLAIN = ("BF16", "F16", "F32")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,19 +151,24 @@ def unclaimed(header: Header, rules: tuple[Rule, ...], matches: Mapping[str, Mat
 
 
 def _check_values(name: str, dtype: str, header: Header, rules: tuple[Rule, ...], file) -> None:
+    fits = []  # (rule, base, missing sides) of every rule whose values this tensor could be
     for rule in rules:
-        row = rule.row
-        base = row.values.base_of(name)
-        if base is None or dtype not in row.value_dtypes:
-            continue
-        missing = [s.name.of(base) for s in row.sides if not s.optional and s.name.of(base) not in header]
-        if missing:
-            raise InputError(f"{row.title} weight has no {missing[0]!r}", file=file, tensor=name,
-                             fix="the checkpoint is incomplete (or the index lost the entry); re-download it")
-        raise InputError(f"tensor is stored as {row.title}, but {rule.origin} does not cover module "
+        base = rule.row.values.base_of(name)
+        if base is not None and dtype in rule.row.value_dtypes:
+            fits.append((rule, base, [s.name.of(base) for s in rule.row.sides
+                                      if not s.optional and s.name.of(base) not in header]))
+    if not fits:
+        return
+    complete = [(rule, base) for rule, base, missing in fits if not missing]
+    if complete:  # the tensors are all there: the config does not cover this module
+        rule, base = complete[0]
+        raise InputError(f"tensor is stored as {rule.row.title}, but {rule.origin} does not cover module "
                          f"{module_of(base)!r}", file=file, tensor=name,
                          fix="config.json's quantization_config does not describe this checkpoint; "
                              "re-download config.json or fix its targets/ignore lists")
+    rule, _, missing = fits[0]
+    raise InputError(f"{rule.row.title} weight has no {missing[0]!r}", file=file, tensor=name,
+                     fix="the checkpoint is incomplete (or the index lost the entry); re-download it")
 
 
 def _check_side(name: str, dtype: str, header: Header, rules: tuple[Rule, ...], file) -> None:
@@ -172,10 +179,11 @@ def _check_side(name: str, dtype: str, header: Header, rules: tuple[Rule, ...], 
             if base is None or side.optional or dtype not in side.dtypes:
                 continue
             values = row.values.of(base)
-            # a packed values tensor of the wrong dtype is the cause; a plain `X.weight` may be unquantized
-            if values in header and header[values][0] not in row.value_dtypes and row.values != Name("weight"):
-                raise InputError(f"{values!r} is {header[values][0]}, but {row.title} stores its values as "
-                                 f"{' or '.join(row.value_dtypes)}", file=file, tensor=values,
-                                 fix=f"this is not a {row.title} checkpoint as published; re-download it")
+            # values stored in another quantized dtype are the cause; a float `X.weight` is simply unquantized
+            if values in header and header[values][0] not in (*row.value_dtypes, *_PLAIN):
+                raise InputError(f"{values!r} is {header[values][0]}, but {row.title} ({rule.origin}) stores its "
+                                 f"values as {' or '.join(row.value_dtypes)}", file=file, tensor=values,
+                                 fix="config.json's quantization_config does not describe how this tensor is stored: "
+                                     "fix it (or re-download the checkpoint)")
             raise InputError(f"{side.role} has no quantized weight beside it", file=file, tensor=name,
                              fix="the checkpoint is incomplete; re-download it")

@@ -8,10 +8,12 @@ value for the whole tensor), "shape" (the dequantized shape, stored), "dropped" 
 mean nothing once the weight is dequantized). Every name derives from the dequantized weight's name by a
 `Name`, so no code outside a row spells a format's tensor names.
 
-Streaming: the executor reads the values in runs of dim-0 rows (`row_align` the smallest run a row can
-take); each side is read whole once per tensor (`WHOLE`: small, its values checked before any chunk) or
-the part a run of rows needs (`BY_ROWS`, by `Side.rows`), or not at all at execution (`AT_PLAN`: checked at plan
-time; `DROPPED`).
+Streaming: the executor makes the output in runs of its dim-0 rows (`row_align` the smallest run a row can
+take). `source_span` says which span of the stored values a run needs: their own dim-0 rows for most
+formats, or a span of their last dim where the values are stored transposed and packed along the input
+dimension (GPTQ, AWQ: output row n is stored column n). Each side is read whole once per tensor (`WHOLE`:
+small, its values checked before any chunk) or the span a run needs (`BY_ROWS`: `Side.rows` along
+`Side.axis`), or not at all at execution (`AT_PLAN`: checked at plan time; `DROPPED`).
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ class Side:
     """accepted dtypes (empty for DROPPED: whatever the writer stored)"""
     read: str = WHOLE
     rows: Callable[[int, int], tuple[int, int]] = _same_rows
-    """for BY_ROWS: the side's dim-0 rows [a, b) that the values' rows [r0, r1) need"""
+    """the side's span [a, b) along `axis` that output rows [r0, r1) need (read so for BY_ROWS, sliced so
+    from the whole side for WHOLE)"""
+    axis: int = 0
+    """0: the span is of dim-0 rows; -1: of the last dim (transposed formats)"""
     encoding: str = ""
     """what the bytes mean where the dtype does not say: "e8m0" (a U8 biased power-of-two exponent)"""
     positive: bool = False
@@ -139,8 +144,10 @@ class QuantFormat:
     """how the mp layout names the scale when the format is kept (None: the key table lists it)"""
     # execution
     row_align: int = 1
-    out_per_source_row: Callable[[tuple[int, ...]], int]
-    """output elements per source dim-0 row, for sizing chunks"""
+    """output rows per smallest run (an FP8 block's 128 rows, or one packed word's worth of rows)"""
+    source_span: Callable[[int, int, tuple], tuple[int, int, int]] = lambda r0, r1, shape: (0, r0, r1)
+    """(output rows r0, r1, values shape) -> (axis, a, b): the span of the stored values they are made from,
+    along dim 0 (axis 0) or the last dim (axis -1)"""
     cpu: CpuKernel
     cpu_into: bool = False
     """`cpu` writes into a given buffer (the executor passes each worker's reusable one)"""
@@ -172,7 +179,7 @@ def bad_row(side: Side, values: np.ndarray, dtype: str) -> int | None:
     """The first dim-0 row of a side tensor's values holding a NaN or an infinity (or, for a side that must
     be positive, a value <= 0), or None. Integer sides (zero points, group indices) have none. Every
     format's scales are checked by this one function before a kernel sees them."""
-    floats = side_floats(values, side.encoding or dtype)
+    floats = side_floats(values, side.encoding if dtype == "U8" and side.encoding else dtype)
     if floats is None:
         return None
     flat = floats.reshape(floats.shape[0], -1) if floats.ndim else floats.reshape(1, 1)
@@ -183,8 +190,8 @@ def bad_row(side: Side, values: np.ndarray, dtype: str) -> int | None:
 
 
 def side_floats(values: np.ndarray, kind: str) -> np.ndarray | None:
-    """A side tensor's values as float32 (exact for every kind here), by dtype code or encoding; None for
-    integer data."""
+    """A side tensor's values as float32 for checking them, by dtype code or encoding (E8M0: NaN for 0xFF,
+    1.0 for every other byte, which all stand for finite powers of two); None for integer data."""
     from ckpttool.kernels.fp8_cpu import fp8_values
 
     if kind == "BF16":
