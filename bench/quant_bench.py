@@ -27,7 +27,9 @@ from kernel_bench import peak_bandwidth, time_cuda  # bench/ is the script's dir
 
 from ckpttool.formats import BY_NAME, Chunk
 
-FORMATS = ("fp8_block", "ct_int4_g32", "ct_fp8_channel", "ct_nvfp4", "modelopt_nvfp4")
+FORMATS = ("fp8_block", "ct_int4_g32", "ct_fp8_channel", "ct_nvfp4", "modelopt_nvfp4", "fp8_block:32x32:ue8m0:scale",
+           "fp8_block:1x32:ue8m0:weight_scale_inv", "fp8_block:1x128:float:weight_scale_inv", "fp8_tensor:weight_scale",
+           "mxfp4_experts:scale")
 
 
 def inputs(name: str, rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -40,6 +42,18 @@ def inputs(name: str, rows: int, cols: int, gen: torch.Generator) -> tuple[torch
     if name == "fp8_block":
         return (u8(rows, cols).view(torch.float8_e4m3fn),
                 torch.rand(-(-rows // 128), -(-cols // 128), generator=gen) * 1e-3 + 1e-4, "F8_E4M3")
+    if name.startswith("fp8_block:"):  # E8M0 scales: exponents a weight's blocks take (2**-20 .. 2**-5)
+        b0, b1 = map(int, name.split(":")[1].split("x"))
+        shape = (-(-rows // b0), -(-cols // b1))
+        if "ue8m0" in name:
+            return u8(rows, cols).view(torch.float8_e4m3fn), torch.randint(107, 122, shape, generator=gen,
+                                                                           dtype=torch.uint8), "F8_E4M3"
+        return u8(rows, cols).view(torch.float8_e4m3fn), torch.rand(*shape, generator=gen) * 1e-3 + 1e-4, "F8_E4M3"
+    if name.startswith("fp8_tensor"):
+        return u8(rows, cols).view(torch.float8_e4m3fn), torch.rand(1, generator=gen) * 1e-3 + 1e-4, "F8_E4M3"
+    if name.startswith("mxfp4_experts"):
+        return (u8(rows, cols // 2).view(torch.int8),
+                torch.randint(107, 122, (rows, cols // 32), generator=gen, dtype=torch.uint8), "I8")
     if name == "ct_int4_g32":
         return u8(rows, cols // 2).view(torch.int32), (torch.rand(rows, cols // 32, generator=gen) * 1e-2).bfloat16(), "I32"
     if name == "ct_fp8_channel":
@@ -78,7 +92,9 @@ def cuda_call_times(fn, calls: int = 20) -> dict[str, float]:
 
 def chunk(name: str, x, s, dtype: str, global_scale: float) -> Chunk:
     """A row's kernel input: values, their scale rows and (NVFP4) the global scale, unused by the other rows."""
-    return Chunk(x, dtype, {"scale": s}, {"scale": BY_NAME[name].side("scale").dtypes[0]}, global_scale)
+    scale_dtype = "U8" if s.dtype == torch.uint8 and "U8" in BY_NAME[name].side("scale").dtypes \
+        else BY_NAME[name].side("scale").dtypes[0]
+    return Chunk(x, dtype, {"scale": s}, {"scale": scale_dtype}, global_scale)
 
 
 def main() -> int:
