@@ -72,12 +72,25 @@ def _block_cpu(block: tuple[int, int]):
         if c.side_dtypes["scale"] in E8M0:
             which, tables = np.ascontiguousarray(scale.view(np.uint8)[block_rows]), e8m0_tables(c.dtype, out)
         else:
-            values, index = scaled_cpu.distinct(scale)
-            tables = value_tables(fp8_values(c.dtype), values.astype(np.float32), out).reshape(-1)
+            index, tables = _distinct_tables(scale, c.dtype, out)
             which = np.ascontiguousarray(index[block_rows])
         grouped.gather(codes, which, tables, block[1], result)
         return result
     return cpu
+
+
+def _distinct_tables(scale: np.ndarray, fmt: str, out: str) -> tuple[np.ndarray, np.ndarray]:
+    """(each element's index into the tables, the tables): one per distinct F32 scale, as value_tables makes them."""
+    values, index = scaled_cpu.distinct(scale)
+    return index, value_tables(fp8_values(fmt), values.astype(np.float32), out).reshape(-1)
+
+
+def _gather_cuda(codes, which, table: np.ndarray, group: int, out_dtype):
+    """The CPU's tables gathered on the GPU (kernels/grouped.gather_torch): the same bits by construction."""
+    import torch
+
+    tables = torch.from_numpy(table.view(table.dtype.str.replace("u", "i"))).to(codes.device)
+    return grouped.gather_torch(codes, which, tables, group).view(out_dtype), None  # NaN codes: the CPU's test only
 
 
 def _block_cuda(block: tuple[int, int]):
@@ -86,18 +99,13 @@ def _block_cuda(block: tuple[int, int]):
 
         from ckpttool.dtypes import dtype_code
 
-        out = dtype_code(out_dtype)
         codes = c.values.view(torch.uint8)
         block_rows = torch.arange(codes.shape[0], device=codes.device) // block[0]
         if c.side_dtypes["scale"] in E8M0:
-            which, table = c.scale.view(torch.uint8)[block_rows], e8m0_tables(c.dtype, out)
-        else:
-            scale = c.scale.cpu().numpy()
-            values, index = scaled_cpu.distinct(scale)
-            table = value_tables(fp8_values(c.dtype), values.astype(np.float32), out).reshape(-1)
-            which = torch.from_numpy(index).to(codes.device)[block_rows]
-        tables = torch.from_numpy(table.view(table.dtype.str.replace("u", "i"))).to(codes.device)
-        return grouped.gather_torch(codes, which, tables, block[1]).view(out_dtype), None  # NaN codes: CPU only
+            return _gather_cuda(codes, c.scale.view(torch.uint8)[block_rows], e8m0_tables(c.dtype, dtype_code(out_dtype)),
+                                block[1], out_dtype)
+        index, table = _distinct_tables(c.scale.cpu().numpy(), c.dtype, dtype_code(out_dtype))
+        return _gather_cuda(codes, torch.from_numpy(index).to(codes.device)[block_rows], table, block[1], out_dtype)
     return cuda
 
 
@@ -158,9 +166,15 @@ def _scaled_cpu(c: Chunk, out: str, into) -> np.ndarray:
 
 
 def _scaled_cuda(c: Chunk, out_dtype):
-    from ckpttool.kernels.scaled_triton import dequant_fp8_rows
+    """One table per distinct F32 scale, gathered on the GPU (the Triton rows kernel reads BF16 scales only)."""
+    import torch
 
-    return dequant_fp8_rows(c.values, c.scale.reshape(-1, 1) if c.scale.dim() < 2 else c.scale, out_dtype)
+    from ckpttool.dtypes import dtype_code
+
+    codes = c.values.view(torch.uint8)
+    index, table = _distinct_tables(c.scale.reshape(-1).cpu().numpy(), c.dtype, dtype_code(out_dtype))
+    which = torch.from_numpy(index).to(codes.device).reshape(-1, 1).expand(codes.shape[0], 1)
+    return _gather_cuda(codes, which, table, max(codes.shape[1], 1), out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
