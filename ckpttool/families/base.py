@@ -156,8 +156,9 @@ class Family:
         """The key table of a parsed config's model_type."""
         return self.key_maps.get(getattr(cfg, "model_type", None), self.key_map)
 
-    def quantizable(self, hf_name: str) -> bool:
-        return self.quantize and self.key_map.is_linear(hf_name)
+    def quantizable(self, cfg: Any, hf_name: str) -> bool:
+        """Whether the quantize stage quantizes this tensor: a linear projection in the type's own key table."""
+        return self.quantize and self.keys(cfg).is_linear(hf_name)
 
 
 def rank_slice(key_map: KeyMap, native: str, shapes: dict[str, tuple[int, ...]], cfg: Any, rank: int,

@@ -86,7 +86,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         if spec.mp is not None and spec.quantize != "fp8_block":
             raise PlanError(f"{spec.quantize} output is HF layout only", fix="drop the shard stage, or use fp8_block")
         n_before = len(tensors)
-        tensors = quantize_stage.quantize(tensors, family, spec.quantize, spec.group_size,
+        tensors = quantize_stage.quantize(tensors, family, cfg, spec.quantize, spec.group_size,
                                           {t.name: str(ckpt.root / t.file) for t in tensors})
         notes.append(f"quantized {len(tensors) - n_before} weights to {spec.quantize}")
 
