@@ -120,6 +120,9 @@ class Family:
     """verify's model and loaders, imported on first call (torch)"""
     mtp_config_key: str | None = None
     """config.json field counting MTP layers, zeroed when they are dropped."""
+    mtp_in_mp: bool = False
+    """whether the family's reference mp layout keeps the MTP layers (DeepSeek-V4's convert.py does,
+    V3's drops them): `--keep-mtp` / `--drop-mtp` left unsaid, mp shards follow it"""
     quantize: bool = False
     """whether the quantize stage supports this family; which weights it quantizes is the key
     table's LINEAR column (`quantizable`)"""

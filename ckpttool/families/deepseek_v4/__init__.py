@@ -29,6 +29,7 @@ FAMILY = Family(
     check_mp=spec.check_mp,
     verifier=_verifier,
     mtp_config_key="num_nextn_predict_layers",
+    mtp_in_mp=True,
     refused_types={"deepseek_v41": "DeepSeek-V4.1 (a text_config with KV and indexers shared across layers, "
                                    "compress ratios 1 and 2, Engram tables, DSpark stages, and a vision tower) "
                                    "has no implementation in transformers 5.24, verify's oracle, nor in "

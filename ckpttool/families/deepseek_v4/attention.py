@@ -10,9 +10,15 @@ What this model runs differently from both, and where that stops mattering:
 - each compressed entry is computed once, when its window is complete, from cached projections of
   every token, instead of from running buffers (transformers' cache, DeepSeek's kv_state): the same
   arithmetic on the same rows;
-- the indexer's top-k is taken over every visible entry, each query's scores summed over the ranks'
-  heads (all-reduced) before the choice. Scores that tie to within float rounding may pick different
-  entries than an unsharded model would; nothing else here depends on mp.
+- the indexer's top-k is taken over the entries made so far (transformers' one-shot forward takes it
+  over every entry of the sequence, the later ones masked), each query's scores summed over the ranks'
+  heads (all-reduced) before the choice.
+Where that stops holding: the indexer's scores are sums of relu(q . k), so two entries whose every
+head is clipped to zero tie exactly, and then torch's topk picks by position in a tensor whose length
+differs between the two forms (and between one-shot forwards of different lengths in transformers
+itself: DeepSeek's model is no different). Such a tie at the top-k boundary changes which entries a
+query reads; the tests' models have 8 indexer heads, where it did not happen, and with 4 it did.
+Scores within float rounding of each other may likewise pick differently at different mp.
 """
 
 from __future__ import annotations

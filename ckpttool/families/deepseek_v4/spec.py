@@ -31,7 +31,7 @@ A quantized weight's scale is `X.scale` in both spellings (`KeyMap(..., hf_scale
 from __future__ import annotations
 
 from ckpttool.errors import PlanError
-from ckpttool.families.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from ckpttool.families.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 
 _ATTN = [
@@ -146,13 +146,14 @@ def is_mtp_tensor(cfg: DeepseekV4Config, hf_name: str) -> bool:
 def check_mp(cfg: DeepseekV4Config, mp: int) -> None:
     """Every cut on whole units: query heads, output groups, indexer heads, expert ranges, vocabulary
     rows. DeepSeek's convert.py asserts only that sizes divide, which can cut a group in half."""
-    for what, size, why in (
-            ("num_attention_heads", cfg.num_attention_heads, "wq_b and attn_sink are cut on whole heads"),
-            ("o_groups", cfg.o_groups, "wo_a / wo_b are cut on whole output groups (DeepSeek's model runs "
-                                       "o_groups // mp groups per rank)"),
-            ("index_n_heads", cfg.index_n_heads, "the indexer's wq_b and weights_proj are cut on whole heads"),
-            ("n_routed_experts", cfg.n_routed_experts, "each rank holds a contiguous range of whole experts"),
-            ("vocab_size", cfg.vocab_size, "embed and head are cut on vocabulary rows")):
+    units = [("num_attention_heads", cfg.num_attention_heads, "wq_b and attn_sink are cut on whole heads"),
+             ("o_groups", cfg.o_groups, "wo_a / wo_b are cut on whole output groups (DeepSeek's model runs "
+                                        "o_groups // mp groups per rank)"),
+             ("n_routed_experts", cfg.n_routed_experts, "each rank holds a contiguous range of whole experts"),
+             ("vocab_size", cfg.vocab_size, "embed and head are cut on vocabulary rows")]
+    if CSA in cfg.layer_types + cfg.mtp_layer_types:
+        units.append(("index_n_heads", cfg.index_n_heads, "the indexer's wq_b and weights_proj are cut on whole heads"))
+    for what, size, why in units:
         if size % mp:
             raise PlanError(f"{what} ({size}) is not divisible by mp={mp}: {why}", file="config.json",
                             fix=f"choose an --mp that divides {size}")
