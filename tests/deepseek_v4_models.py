@@ -15,7 +15,6 @@ compressed layers as V4-Flash has it, and every count divisible by 4 (mp 1, 2 an
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -106,8 +105,3 @@ def _respell(dst: Path, *, mtp: bool, seed: int) -> None:
     total = sum(t.numel() * t.element_size() for t in mapped.values())
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=2))
-
-
-def copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst

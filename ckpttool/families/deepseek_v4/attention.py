@@ -26,10 +26,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ckpttool.families.deepseek_v4.config import CSA, HCA, RopeSpec
+from ckpttool.families.deepseek_v4.config import CSA, HCA, DeepseekV4Config, RopeSpec
 from ckpttool.model.parallel import ColumnParallelLinear, Linear, ParallelContext, RowParallelLinear
 
 
@@ -145,7 +144,7 @@ class Indexer(nn.Module):
     q-LoRA latent, scores sum_h w_h * relu(q_h . k) over this rank's heads (all-reduced), and each query
     keeps its index_topk best visible entries."""
 
-    def __init__(self, cfg, ctx: ParallelContext, dtype: torch.dtype):
+    def __init__(self, cfg: DeepseekV4Config, ctx: ParallelContext, dtype: torch.dtype):
         super().__init__()
         self.ctx, self.topk, self.n_heads = ctx, cfg.index_topk, cfg.index_n_heads
         self.head_dim, self.rate = cfg.index_head_dim, cfg.compress_rates[CSA]
@@ -176,7 +175,7 @@ class Attention(nn.Module):
     """Query heads (wq_b, attn_sink) and output groups (wo_a) cut across ranks; wo_b reduces their
     partial sums. The KV head, the compressors and the indexer's compressor are whole on every rank."""
 
-    def __init__(self, cfg, kind: str, ctx: ParallelContext, dtype: torch.dtype):
+    def __init__(self, cfg: DeepseekV4Config, kind: str, ctx: ParallelContext, dtype: torch.dtype):
         super().__init__()
         d, hd, eps = cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps
         self.kind, self.head_dim, self.eps, self.window = kind, hd, eps, cfg.sliding_window

@@ -14,6 +14,7 @@ always normalises), and the DSpark draft stages and DeepSeek-V4.1 parts some con
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ckpttool.errors import InputError
@@ -243,8 +244,6 @@ def _rope(p: dict, head_dim: int, c: dict, source: object) -> RopeSpec:
 
 
 def _mscale(scale: float, m: object = 1.0) -> float:
-    import math
-
     return 1.0 if scale <= 1 else 0.1 * float(m or 1.0) * math.log(scale) + 1.0
 
 
