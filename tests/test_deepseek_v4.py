@@ -248,8 +248,9 @@ def test_inspect_reads_both_spellings(v4):
         assert report["dtypes"]["I32" if spelling == "deepseek" else "I64"]["tensors"] == 2  # tid2eid, hash layers
 
 
-def test_plan_errors_name_the_spelling_mismatch(v4, tmp_path):
-    """A hub config.json beside transformers' tensors describes other names: refused, naming a tensor."""
+def test_a_config_json_of_the_other_spelling_is_refused(v4, tmp_path):
+    """DeepSeek's config.json beside transformers' tensors describes other names: refused, naming a tensor
+    (config.json decides the spelling, so shard and merge agree on it)."""
     import shutil
 
     mixed = tmp_path / "mixed"

@@ -26,7 +26,7 @@ def family_for(config: dict, source: object = "config.json") -> Family:
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
-        if model_type in family.refused_types:
+        if isinstance(model_type, str) and model_type in family.refused_types:
             raise InputError(f"model_type {model_type!r} is not supported: {family.refused_types[model_type]}",
                              file=source, fix=f"supported: {', '.join(MODEL_TYPES)}")
     raise InputError(f"unsupported model_type {model_type!r}", file=source,
