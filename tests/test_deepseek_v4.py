@@ -101,6 +101,7 @@ REFUSED = {
     "mlp_bias": ({"mlp_bias": True}, "no biases"),
     "tie_word_embeddings": ({"tie_word_embeddings": True}, "its own tensor"),
     "o_groups": ({"o_groups": 3}, "whole heads"),
+    "index_head_dim": ({"index_head_dim": 32, "compress_ratios": [4, 0]}, "rotates its last 64 dims"),
     "compress ratio": ({"compress_ratios": [0, 2]}, "not one of the compress ratios"),
     "layer_types length": ({"layer_types": ["sliding_attention"]}, "must be 2 entries"),
     "rope type": ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "unsupported rope"),

@@ -264,6 +264,9 @@ def _refuse_unimplemented(cfg: DeepseekV4Config, c: dict, source: object) -> Non
         "hc_mult": (cfg.hc_mult >= 1 and cfg.hc_sinkhorn_iters >= 1, "hyper-connections need a stream and an iteration"),
         "o_groups": (cfg.o_groups > 0 and cfg.num_attention_heads % cfg.o_groups == 0,
                      "the output groups must hold whole heads"),
+        "index_head_dim": (CSA not in cfg.layer_types + cfg.mtp_layer_types or
+                           cfg.index_head_dim >= cfg.compress_rope.dim,
+                           f"the indexer rotates its last {cfg.compress_rope.dim} dims (the compressed layers' rope)"),
     }
     for name, (ok, why) in problems.items():
         if not ok:
