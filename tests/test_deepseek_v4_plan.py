@@ -3,7 +3,10 @@ in the BF16 form: every tensor the config implies, under the hub's names, in spa
 reads as zeros) at mp 4, 8 and 16, and the published configs ckpttool refuses, with the reason:
 V4-Flash-0731 (DSpark draft stages) and V4.1-Flash (`deepseek_v41`).
 
-The FP8 + MXFP4 form (F8_E4M3 weights with F8_E8M0 `.scale`, I8 experts) waits for the format rows."""
+And the same in the published FP8 + MXFP4 form (F8_E4M3 weights with an F8_E8M0 `.scale` per 128x128 block,
+I8 routed experts with an F8_E8M0 `.scale` per 32 values, the published quantization_config): planned to BF16
+shards at mp 4 and 8 (every weight dequantized, no scale left), refused at 16, and `shard` keeping the formats
+refused (they are dequantized, not cut per rank)."""
 
 from __future__ import annotations
 
@@ -58,20 +61,42 @@ F32_LEAVES = ("attn_sink", "ape", "gate.bias", "hc_attn_fn", "hc_attn_base", "hc
               "hc_ffn_base", "hc_ffn_scale", "hc_head_fn", "hc_head_base", "hc_head_scale")
 """float32 in DeepSeek's model (sinks, compressor position biases, router biases, hyper-connections);
 tid2eid is int32; everything else BF16"""
-ITEMSIZE = {"BF16": 2, "F32": 4, "I32": 4}
+ITEMSIZE = {"BF16": 2, "F32": 4, "I32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
+QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                       "weight_block_size": [128, 128], "expert_dtype": "fp4"}
+"""DeepSeek-V4-Flash's quantization_config"""
 
 
-def write_headers(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]], n_files: int = 8) -> Path:
-    """Safetensors files whose headers list `shapes` and whose data is a hole (reads as zeros, takes no
-    disk), an index, and config.json: what `plan` reads of a published checkpoint."""
+def published(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(shapes, dtypes) of the published form: each linear weight FP8 with an E8M0 scale per 128x128 block,
+    each routed expert's MXFP4 (two codes a byte) with an E8M0 scale per 32 values."""
+    from ckpttool.families.deepseek_v4.spec import KEY_MAPS
+
+    out, dtypes = dict(shapes), {}
+    for name, (m, k) in [(n, s) for n, s in shapes.items() if KEY_MAPS["deepseek"].is_linear(n)]:
+        scale = name[: -len("weight")] + "scale"
+        if ".ffn.experts." in name:
+            out[name], out[scale], dtypes[name] = (m, k // 2), (m, k // 32), "I8"
+        else:
+            out[scale], dtypes[name] = (-(-m // 128), -(-k // 128)), "F8_E4M3"
+        dtypes[scale] = "F8_E8M0"
+    return out, dtypes
+
+
+def write_headers(dst: Path, config: dict, shapes: dict[str, tuple[int, ...]], n_files: int = 8,
+                  dtypes: dict[str, str] | None = None) -> Path:
+    """Safetensors files whose headers list `shapes` (in `dtypes` where given) and whose data is a hole (reads
+    as zeros, takes no disk), an index, and config.json: what `plan` reads of a published checkpoint."""
     dst.mkdir()
+    dtypes = dtypes or {}
     names = sorted(shapes)
     weight_map = {}
     for i in range(n_files):
         fname = f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for name in names[i::n_files]:
-            dtype = "I32" if name.endswith("tid2eid") else "F32" if name.endswith(F32_LEAVES) else "BF16"
+            dtype = dtypes.get(name) or ("I32" if name.endswith("tid2eid") else "F32" if name.endswith(F32_LEAVES)
+                                         else "BF16")
             size = ITEMSIZE[dtype] * _numel(shapes[name])
             header[name] = {"dtype": dtype, "shape": list(shapes[name]), "data_offsets": [offset, offset + size]}
             offset += size
@@ -97,6 +122,13 @@ def _numel(shape: tuple[int, ...]) -> int:
 def v4_flash(tmp_path_factory) -> Path:
     cfg = DeepseekV4Config.from_dict(V4_FLASH)
     return write_headers(tmp_path_factory.mktemp("flash") / "DeepSeek-V4-Flash", V4_FLASH, hf_tensor_shapes(cfg))
+
+
+@pytest.fixture(scope="module")
+def v4_flash_fp8(tmp_path_factory) -> Path:
+    shapes, dtypes = published(hf_tensor_shapes(DeepseekV4Config.from_dict(V4_FLASH)))
+    return write_headers(tmp_path_factory.mktemp("flash-fp8") / "DeepSeek-V4-Flash", {
+        **V4_FLASH, "quantization_config": QUANTIZATION_CONFIG}, shapes, dtypes=dtypes)
 
 
 def test_v4_flash_tensor_inventory_is_the_published_index():
@@ -146,3 +178,21 @@ def test_header_only_files_take_no_disk(v4_flash):
     files = list(v4_flash.glob("*.safetensors"))
     assert sum(os.stat(f).st_size for f in files) > 500e9  # V4-Flash in BF16: 284B parameters
     assert sum(os.stat(f).st_blocks * 512 for f in files) < 50e6
+
+
+@pytest.mark.parametrize("mp", [4, 8])
+def test_plan_of_published_v4_flash_dequantizes_every_weight(v4_flash, v4_flash_fp8, mp):
+    """The published FP8 + MXFP4 form plans to the same BF16 shards as the BF16 form, tensor for tensor."""
+    bf16 = json.loads(run_cli("plan", v4_flash, "--mp", mp, "--json").stdout)
+    fp8 = json.loads(run_cli("plan", v4_flash_fp8, "--mp", mp, "--json").stdout)
+    assert [(f["name"], f["tensors"], f["bytes"]) for f in fp8["files"]] == \
+        [(f["name"], f["tensors"], f["bytes"]) for f in bf16["files"]]
+    n_quantized = 69187 - V4_FLASH_TENSORS  # one .scale each in the published index
+    assert f"dequantized {n_quantized} quantized weights to BF16" in fp8["notes"], fp8["notes"]
+
+
+def test_plan_of_published_v4_flash_at_mp16_is_refused_and_keeping_the_formats_is_refused(v4_flash_fp8):
+    proc = run_cli("plan", v4_flash_fp8, "--mp", 16, check=False)
+    assert proc.returncode == 1 and "o_groups (8) is not divisible by mp=16" in proc.stderr
+    proc = run_cli("plan", v4_flash_fp8, "--mp", 8, "--dtype", "fp8", check=False)
+    assert proc.returncode == 1 and "can only be dequantized" in proc.stderr, proc.stderr
