@@ -25,9 +25,11 @@ import torch
 
 from kernel_bench import peak_bandwidth, time_cuda  # bench/ is the script's directory
 
-from ckpttool.formats import BY_NAME
+from ckpttool.formats import BY_NAME, Chunk
 
-FORMATS = ("fp8_block", "ct_int4_g32", "ct_fp8_channel", "ct_nvfp4", "modelopt_nvfp4")
+FORMATS = ("fp8_block", "ct_int4_g32", "ct_fp8_channel", "ct_nvfp4", "modelopt_nvfp4", "fp8_block:32x32:ue8m0:scale",
+           "fp8_block:1x32:ue8m0:weight_scale_inv", "fp8_block:1x128:float:weight_scale_inv", "fp8_tensor:weight_scale",
+           "mxfp4_experts:scale")
 
 
 def inputs(name: str, rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -40,6 +42,18 @@ def inputs(name: str, rows: int, cols: int, gen: torch.Generator) -> tuple[torch
     if name == "fp8_block":
         return (u8(rows, cols).view(torch.float8_e4m3fn),
                 torch.rand(-(-rows // 128), -(-cols // 128), generator=gen) * 1e-3 + 1e-4, "F8_E4M3")
+    if name.startswith("fp8_block:"):  # E8M0 scales: exponents a weight's blocks take (2**-20 .. 2**-5)
+        b0, b1 = map(int, name.split(":")[1].split("x"))
+        shape = (-(-rows // b0), -(-cols // b1))
+        if "ue8m0" in name:
+            return u8(rows, cols).view(torch.float8_e4m3fn), torch.randint(107, 122, shape, generator=gen,
+                                                                           dtype=torch.uint8), "F8_E4M3"
+        return u8(rows, cols).view(torch.float8_e4m3fn), torch.rand(*shape, generator=gen) * 1e-3 + 1e-4, "F8_E4M3"
+    if name.startswith("fp8_tensor"):
+        return u8(rows, cols).view(torch.float8_e4m3fn), torch.rand(1, generator=gen) * 1e-3 + 1e-4, "F8_E4M3"
+    if name.startswith("mxfp4_experts"):
+        return (u8(rows, cols // 2).view(torch.int8),
+                torch.randint(107, 122, (rows, cols // 32), generator=gen, dtype=torch.uint8), "I8")
     if name == "ct_int4_g32":
         return u8(rows, cols // 2).view(torch.int32), (torch.rand(rows, cols // 32, generator=gen) * 1e-2).bfloat16(), "I32"
     if name == "ct_fp8_channel":
@@ -76,6 +90,13 @@ def cuda_call_times(fn, calls: int = 20) -> dict[str, float]:
     return {"streamed": streamed, "graph": replay, "host": host}
 
 
+def chunk(name: str, x, s, dtype: str, global_scale: float) -> Chunk:
+    """A row's kernel input: values, their scale rows and (NVFP4) the global scale, unused by the other rows."""
+    scale_dtype = "U8" if s.dtype == torch.uint8 and "U8" in BY_NAME[name].side("scale").dtypes \
+        else BY_NAME[name].side("scale").dtypes[0]
+    return Chunk(x, dtype, {"scale": s}, {"scale": scale_dtype}, global_scale)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=7168)
@@ -88,8 +109,7 @@ def main() -> int:
     rows, cols = args.rows, args.cols
     gen = torch.Generator().manual_seed(0)
     data = {n: inputs(n, rows, cols, gen) for n in FORMATS}
-    kw = {n: ({"global_scale": 2688.0 / 3.1 if n.startswith("ct") else 3.1 / 2688.0} if BY_NAME[n].global_leaf else {})
-          for n in FORMATS}
+    kw = {n: (2688.0 / 3.1 if n.startswith("ct") else 3.1 / 2688.0) for n in FORMATS}
     result: dict = {"shape": [rows, cols], "out_dtype": "BF16", "torch": torch.__version__, "cpu": {}, "cuda": None}
 
     times: dict[str, list[float]] = {n: [] for n in FORMATS}
@@ -98,7 +118,7 @@ def main() -> int:
             x, s, dtype = data[n]
             xs, ss = carrier(x), carrier(s)
             t0 = time.perf_counter()
-            BY_NAME[n].cpu(xs, ss, dtype, "BF16", **kw[n])
+            BY_NAME[n].cpu(chunk(n, xs, ss, dtype, kw[n]), "BF16", None)
             if rep:  # the first round warms tables and caches
                 times[n].append(time.perf_counter() - t0)
     for n in FORMATS:
@@ -116,7 +136,8 @@ def main() -> int:
         for n in FORMATS:
             x, s, _ = data[n]
             xc, sc = x.cuda(), (s.float() if n == "fp8_block" else s).cuda()
-            calls[n] = (lambda xc=xc, sc=sc, n=n: BY_NAME[n].cuda(xc, sc, torch.bfloat16, **kw[n]))
+            on_gpu = chunk(n, xc, sc, data[n][2], kw[n])
+            calls[n] = (lambda c=on_gpu, n=n: BY_NAME[n].cuda(c, torch.bfloat16))
         names = list(FORMATS)
         if args.seeds:
             sys.path.insert(0, os.path.abspath(args.seeds))

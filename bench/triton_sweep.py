@@ -23,7 +23,7 @@ import torch
 import triton
 
 from kernel_bench import time_cuda  # bench/ is the script's directory
-from quant_bench import carrier, inputs
+from quant_bench import carrier, chunk, inputs
 
 from ckpttool.formats import BY_NAME
 from ckpttool.kernels import fp8_triton, nan_flag, nvfp4_triton, scaled_triton
@@ -70,7 +70,7 @@ def main() -> int:
     out = torch.bfloat16
     for kernel in args.only.split(","):
         fmt = BY_NAME[FORMAT[kernel]]
-        kw = {"global_scale": 2688.0 / 3.1 if kernel == "nvfp4" else 3.1 / 2688.0} if fmt.global_leaf else {}
+        g = 2688.0 / 3.1 if kernel == "nvfp4" else 3.1 / 2688.0
         data, want = {}, {}
         for shape, (rows, cols) in SHAPES.items():
             sets = []
@@ -82,7 +82,7 @@ def main() -> int:
             data[shape] = sets
             x, s, dtype, _, _ = sets[0]
             if shape == "small":
-                want[shape] = torch.from_numpy(fmt.cpu(carrier(x), carrier(s), dtype, "BF16", **kw).view("int16"))
+                want[shape] = torch.from_numpy(fmt.cpu(chunk(FORMAT[kernel], carrier(x), carrier(s), dtype, g), "BF16", None).view("int16"))
         default = (scaled_triton.TILES.get(kernel) if not kernel.startswith("nvfp4") else nvfp4_triton.TILE)
         if kernel == "fp8_block":
             candidates = [("tile", w, wide) for w in (2, 4, 8, 16) for wide in (False, True)]
@@ -102,7 +102,7 @@ def main() -> int:
                 set_tile(kernel, cfg)
 
                 def call(x, s):
-                    return fmt.cuda(x, s, out, **kw)
+                    return fmt.cuda(chunk(FORMAT[kernel], x, s, dtype, g), out)
             row = {"kernel": kernel, "config": list(cfg) if kernel != "fp8_block" else {"warps": cfg, "wide": wide},
                    "default": cfg == default if kernel != "fp8_block" else (cfg == fp8_triton.NUM_WARPS and not wide)}
             try:

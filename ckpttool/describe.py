@@ -13,11 +13,11 @@ from pathlib import Path
 
 from ckpttool.errors import InputError
 from ckpttool.formats import (CKPTTOOL_QUANTIZATION, FP8_SCALE, HF_QUANT_CONFIG, INT4_SCALES_AND_ZEROS, INT8_SCALES,
-                              MXFP4, declared_formats)
+                              MXFP4, declared_rules)
 from ckpttool.io.checkpoint import Checkpoint, ShardFiles, read_config, read_json_object
 from ckpttool.io.layout import INDEX_NAME, MP_FILE, find_mp, mp_file
 from ckpttool.io.safetensors import read_header
-from ckpttool.plan.dequant import quantized_weights
+from ckpttool.plan.dequant import matches
 from ckpttool.plan.types import TensorPlan
 
 # (file, tensor name, dtype, shape, bytes)
@@ -61,12 +61,12 @@ def _formats(path: Path, layout: str, entries: list[Entry], config: dict) -> tup
     try:
         hf_quant = (read_json_object(root / HF_QUANT_CONFIG, HF_QUANT_CONFIG, "re-download it")
                     if (root / HF_QUANT_CONFIG).is_file() and layout == "hf" else None)
-        formats = declared_formats(config.get("quantization_config"), hf_quant, root / "config.json",
-                                   root / HF_QUANT_CONFIG)
+        rules = declared_rules(config.get("quantization_config"), hf_quant, root / "config.json",
+                               root / HF_QUANT_CONFIG)
+        tensors = [TensorPlan(n, d, s, source=n) for _, n, d, s, _ in entries]
+        counts: Counter = Counter(m.row.title for m in matches(tensors, rules).values())
     except InputError as exc:
         return {}, exc.message
-    tensors = [TensorPlan(n, d, s, source=n) for _, n, d, s, _ in entries]
-    counts: Counter = Counter(fmt.title for fmt in quantized_weights(tensors, formats).values())
     return dict(sorted(counts.items())), None
 
 
@@ -103,7 +103,7 @@ def describe(path: Path) -> dict:
             "formats": formats,
             "unsupported": refused,
             "fp8_block_weights": fp8,
-            "mxfp4_blocks": sum(n.endswith(MXFP4.weight_suffix) for n in names),
+            "mxfp4_blocks": sum(MXFP4.values.base_of(n) is not None for n in names),
             "int8_weights": _count_leaf(names, INT8_SCALES),
             "int4_weights": _count_leaf(names, INT4_SCALES_AND_ZEROS),
         },

@@ -454,7 +454,7 @@ def test_cuda_that_cannot_start_is_an_error_when_asked_for_and_the_cpu_under_aut
 
     from ckpttool.execute.cuda import CudaTransforms
     from ckpttool.errors import InputError
-    from ckpttool.formats import FP8_BLOCK
+    from ckpttool.formats import FP8_BLOCK, Chunk
 
     fp8 = FP8_BLOCK
     gpu = CudaTransforms("cuda", [fp8])
@@ -467,7 +467,7 @@ def test_cuda_that_cannot_start_is_an_error_when_asked_for_and_the_cpu_under_aut
     auto.wait()
     assert auto.staging(1024) is None  # stays on the CPU, and says so in the counts
     x, scale = np.full((128, 128), 0x38, dtype=np.uint8), np.full((1, 1), 2.0, dtype=np.float32)  # 1.0 * 2
-    y = auto.apply(fp8, x, scale, "F8_E4M3", "F32", "BF16")
+    y = auto.apply(fp8, Chunk(x, "F8_E4M3", {"scale": scale}, {"scale": "F32"}), "BF16")
     assert (y == 0x4000).all() and auto.timings.counts == {"chunks_on_cpu": 1}  # bf16 2.0
 
 

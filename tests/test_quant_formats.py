@@ -22,7 +22,7 @@ from quant_builders import EXPERTS, KINDS, LINEAR, ct_decompress, load_all, mode
     quantize_checkpoint, write_like
 
 from ckpttool.describe import describe
-from ckpttool.formats import BY_NAME
+from ckpttool.formats import BY_NAME, Chunk
 from ckpttool.kernels import fp8_cpu, nvfp4_cpu, scaled_cpu
 from ckpttool.kernels.fp8_cpu import NaNCodes
 
@@ -161,7 +161,8 @@ def test_nan_scales_are_refused_naming_the_row(kernel, cpu_path):
         else:
             codes = torch.full((4, 2), 0x38, dtype=torch.uint8)
             codes[2, 1] = 0xFF
-            BY_NAME["ct_nvfp4"].cpu(torch.zeros(4, 16, dtype=torch.uint8).numpy(), codes.numpy(), "U8", "BF16")
+            BY_NAME["ct_nvfp4"].cpu(Chunk(torch.zeros(4, 16, dtype=torch.uint8).numpy(), "U8", {"scale": codes.numpy()},
+                                          {"scale": "F8_E4M3"}), "BF16", None)
     assert e.value.row == 2
 
 

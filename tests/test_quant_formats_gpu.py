@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpttool.formats import BY_NAME
+from ckpttool.formats import BY_NAME, Chunk
 from ckpttool.kernels.fp8_cpu import NaNCodes
 
 pytestmark = pytest.mark.gpu
@@ -41,8 +41,18 @@ def random_inputs(row: str, rows: int, cols: int, gen: torch.Generator, edge: to
     x = torch.randint(0, 256, (rows, cols // 2), dtype=torch.int32, generator=gen).to(torch.uint8)
     s = torch.randint(0, 256, (rows, cols // 16), dtype=torch.int32, generator=gen).to(torch.uint8)
     s[(s & 0x7F) == 0x7F] ^= 1
-    assert fmt.scale_dtype == "F8_E4M3"
+    assert fmt.side("scale").dtypes == ("F8_E4M3",)
     return x, s.view(torch.float8_e4m3fn)
+
+
+def has_global(fmt) -> bool:
+    return any(side.role == "global" for side in fmt.sides)
+
+
+def chunk(fmt, x, s, dtype: str, global_scale: float | None) -> Chunk:
+    """What the executor gives a row's kernels: the values, their scale rows and the global scale."""
+    return Chunk(x, dtype, {"scale": s}, {"scale": fmt.side("scale").dtypes[0]},
+                 1.0 if global_scale is None else global_scale)
 
 
 def numpy_of(t: torch.Tensor):
@@ -57,10 +67,10 @@ def test_triton_bits_equal_cpu(row, out, shape):
     fmt = BY_NAME[row]
     gen = torch.Generator().manual_seed(sum(shape))
     x, s = random_inputs(row, *shape, gen)
-    kwargs = {"global_scale": 448.0 * 6 / 3.7} if fmt.global_leaf else {}
+    g = 448.0 * 6 / 3.7 if has_global(fmt) else None
     dtype = {"ct_int4_g32": "I32", "ct_int4_g128": "I32"}.get(row, "F8_E4M3" if row.startswith("ct_fp8") else "U8")
-    cpu = fmt.cpu(numpy_of(x), numpy_of(s), dtype, out, **kwargs)
-    gpu, first_bad = fmt.cuda(x.cuda(), s.cuda(), OUT[out], **kwargs)
+    cpu = fmt.cpu(chunk(fmt, numpy_of(x), numpy_of(s), dtype, g), out, None)
+    gpu, first_bad = fmt.cuda(chunk(fmt, x.cuda(), s.cuda(), dtype, g), OUT[out])
     torch.cuda.synchronize()
     assert first_bad is None or first_bad.row() is None
     assert tuple(gpu.shape) == cpu.shape == shape
@@ -72,17 +82,17 @@ def test_triton_names_the_cpus_nan_row(row):
     fmt = BY_NAME[row]
     x, s = random_inputs(row, 64, 256, torch.Generator().manual_seed(5))
     s = s.clone()
-    if fmt.scale_dtype == "BF16" and s.dim() == 2:
+    if fmt.side("scale").dtypes == ("BF16",) and s.dim() == 2:
         s[41, 0] = float("nan")
-    elif fmt.scale_dtype == "BF16":
+    elif fmt.side("scale").dtypes == ("BF16",):
         s[0] = float("nan")  # the tensor's one scale: every row, the first is 0
     else:
         s.view(torch.uint8)[41, 3] = 0xFF
-    kwargs = {"global_scale": 2.0} if fmt.global_leaf else {}
+    g = 2.0 if has_global(fmt) else None
     dtype = "I32" if row.startswith("ct_int4") else ("F8_E4M3" if row.startswith("ct_fp8") else "U8")
     with pytest.raises(NaNCodes) as cpu_err:
-        fmt.cpu(numpy_of(x), numpy_of(s), dtype, "BF16", **kwargs)
-    _, first_bad = fmt.cuda(x.cuda(), s.cuda(), torch.bfloat16, **kwargs)
+        fmt.cpu(chunk(fmt, numpy_of(x), numpy_of(s), dtype, g), "BF16", None)
+    _, first_bad = fmt.cuda(chunk(fmt, x.cuda(), s.cuda(), dtype, g), torch.bfloat16)
     assert first_bad.row() == cpu_err.value.row
 
 
@@ -110,17 +120,18 @@ def quantized_by_hand(base: Path, dst: Path, row: str) -> Path:
         for name in [n for n in tensors if EXPERTS.fullmatch(n)]:
             w = tensors.pop(name)
             x, s = random_inputs(row, *w.shape, gen, EDGE_BF16[EDGE_BF16 > 0])  # CT never stores 0 scales
-            prefix = name[: -len("weight")]
-            stored = {"weight" + BY_NAME[row].weight_suffix: x, "weight" + BY_NAME[row].scale_suffix: s}
+            fmt = BY_NAME[row]
+            members = fmt.members(name)
+            stored = {fmt.values.of(name): x, members["scale"]: s}
             if row.startswith("ct_int4"):
-                stored["weight_shape"] = torch.tensor(w.shape)
-            if BY_NAME[row].global_leaf:
-                stored[BY_NAME[row].global_leaf] = torch.tensor([448.0 * 6 / 2.9]) if row.startswith("ct") \
+                stored[members["shape"]] = torch.tensor(w.shape)
+            if has_global(fmt):
+                stored[members["global"]] = torch.tensor([448.0 * 6 / 2.9]) if row.startswith("ct") \
                     else torch.tensor(2.9 / (448.0 * 6))
             del index["weight_map"][name]
-            for leaf, t in stored.items():
-                tensors[prefix + leaf] = t.contiguous()
-                index["weight_map"][prefix + leaf] = fname
+            for stored_name, t in stored.items():
+                tensors[stored_name] = t.contiguous()
+                index["weight_map"][stored_name] = fname
         save_file(tensors, str(dst / fname), metadata={"format": "pt"})
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
     config = json.loads((dst / "config.json").read_text())

@@ -25,7 +25,7 @@ from ckpttool.dtypes import CARRIERS, torch_dtype
 from ckpttool.errors import InputError
 from ckpttool.execute.device import no_cuda
 from ckpttool.execute.osutil import release_free_memory
-from ckpttool.formats import QuantFormat
+from ckpttool.formats import Chunk, QuantFormat
 from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.timing import Timings
 
@@ -62,8 +62,7 @@ class CudaTransforms:
             device = torch.device("cuda" if self.device_name == "auto" else self.device_name)
             with torch.cuda.device(device):
                 for t in transforms:  # a tiny input: creates the context, loads/compiles the kernel
-                    x, scale = t.example(device)
-                    t.cuda(x, scale, torch.bfloat16)
+                    t.cuda(t.example(device), torch.bfloat16)
                 torch.cuda.synchronize(device)
             self.torch, self.device = torch, device
         except BaseException as exc:  # noqa: BLE001 - raised by the first chunk that needs the GPU
@@ -99,21 +98,24 @@ class CudaTransforms:
             return None
         return self._buffer(nbytes)
 
-    def apply(self, transform: QuantFormat, x: np.ndarray, scale: np.ndarray, dtype: str, scale_dtype: str,
-              out_dtype: str) -> np.ndarray:
-        """`transform` on rows `x` (dtype code `dtype`) and their scale rows: on the GPU once it has
-        started, else on the CPU. Returns numpy rows in out_dtype's carrier."""
+    def apply(self, transform: QuantFormat, chunk: Chunk, out_dtype: str) -> np.ndarray:
+        """`transform` on a chunk (numpy rows and the side rows they need): on the GPU once it has started,
+        else on the CPU. Returns numpy rows in out_dtype's carrier."""
         if not self.on_gpu:
             self.timings.count("chunks_on_cpu_while_cuda_started" if not self.unavailable else "chunks_on_cpu")
-            return transform.cpu(x, scale, dtype, out_dtype)
+            return transform.cpu(chunk, out_dtype, None)
         self.timings.count("chunks_on_gpu")
         torch = self.torch
         stream = self._stream()
-        xt = torch.from_numpy(x).view(torch_dtype(dtype))
-        st = torch.from_numpy(scale).view(torch_dtype(scale_dtype))
+
+        def upload(a: np.ndarray, dtype: str):
+            return torch.from_numpy(a).view(torch_dtype(dtype)).to(self.device, non_blocking=True)
+
         with torch.cuda.stream(stream):
-            y, first_bad = transform.cuda(xt.to(self.device, non_blocking=True), st.to(self.device, non_blocking=True),
-                                          torch_dtype(out_dtype))
+            on_gpu = Chunk(upload(chunk.values, chunk.dtype), chunk.dtype,
+                           {role: upload(a, chunk.side_dtypes[role]) for role, a in chunk.sides.items()},
+                           chunk.side_dtypes, chunk.global_scale)
+            y, first_bad = transform.cuda(on_gpu, torch_dtype(out_dtype))
             nbytes = y.numel() * y.element_size()
             if self._size() < nbytes:
                 stream.synchronize()  # x may live in the buffer being replaced

@@ -36,6 +36,11 @@ class GatherTask:
         return self.placed.end - self.placed.start
 
     @property
+    def files(self) -> tuple[str, ...]:
+        """The input files this task reads."""
+        return tuple(dict.fromkeys(file for file, _ in self.parts))
+
+    @property
     def read_order(self) -> tuple[str, int]:
         return self.parts[0][0], self.parts[0][1].start
 

@@ -1,6 +1,6 @@
 """The units of work the executor schedules, and how each one streams its bytes.
 
-A `Task` is one input tensor (plus its scale) and every output piece made from it. It streams its
+A `Task` is one input tensor (plus the tensors its format stores beside it) and every output piece made from it. It streams its
 source in runs of dim-0 rows: read the rows, transform them (FP8/MXFP4 dequant, on CPU or CUDA), and
 pwrite each piece's share of them at its planned offset. Each run of rows (one chunk) is a work item
 of its own (`Task.row_runs`), so several workers stream one large tensor at once. Rows no remaining
@@ -23,15 +23,15 @@ import numpy as np
 
 from ckpttool import defaults
 from ckpttool.dtypes import itemsize
-from ckpttool.errors import InputError
 from ckpttool.execute.cuda import CudaTransforms
 from ckpttool.execute.gather import GatherTask
 from ckpttool.execute.osutil import in_memory_fs
 from ckpttool.execute.staging import Staging
-from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS, QuantFormat, with_leaf
+from ckpttool.execute.reads import SideInput, SideReader, read_span
+from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS
 from ckpttool.io.checkpoint import ShardFiles
-from ckpttool.io.safetensors import TensorInfo, array_from_bytes
-from ckpttool.kernels import fp8_cpu, fp8_gather
+from ckpttool.io.safetensors import TensorInfo
+from ckpttool.kernels import fp8_gather
 from ckpttool.kernels.fp8_cpu import NaNCodes
 from ckpttool.plan.types import PlacedTensor, Plan
 
@@ -39,34 +39,42 @@ from ckpttool.plan.types import PlacedTensor, Plan
 
 @dataclass(slots=True)
 class Task:
-    """All output pieces made from one input tensor (and its scale): read once, write many."""
+    """All output pieces made from one input tensor (and the tensors beside it): read once, write many."""
 
     source: str
     file: str  # the input file holding `source`
     info: TensorInfo
     transform: str | None
-    scale: str | None
-    scale_file: str | None
-    scale_info: TensorInfo | None
+    sides: tuple[SideInput, ...]
     out_dtype: str
     pieces: list[tuple[str, PlacedTensor]] = field(default_factory=list)  # (output file, placement)
 
     @property
+    def files(self) -> tuple[str, ...]:
+        """The input files this task reads."""
+        return tuple(dict.fromkeys((self.file, *(s.file for s in self.sides))))
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The shape of what the task makes (its pieces narrow it): the dequantized shape, or the source's."""
+        fmt = BY_NAME.get(self.transform) if self.transform else None
+        return tuple(fmt.out_shape(self.info.shape)) if fmt is not None else tuple(self.info.shape)
+
+    @property
     def rows(self) -> int:
-        """dim-0 length; a scalar counts as one row."""
-        return self.info.shape[0] if self.info.shape else 1
+        """Output dim-0 length (the source's, but for a transposed format); a scalar counts as one row."""
+        shape = self.out_shape
+        return shape[0] if shape else 1
+
+    def out_row_bytes(self) -> int:
+        return math.prod(self.out_shape[1:]) * itemsize(self.out_dtype if self.transform else self.info.dtype)
 
     def chunk_rows(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
         if self.transform in QUANTIZE_TRANSFORMS:
             return max(1, self.rows)
-        shape = self.info.shape
         fmt = BY_NAME[self.transform] if self.transform else None
         align = fmt.row_align if fmt else 1
-        if fmt:
-            out_row = fmt.out_per_source_row(shape) * itemsize(self.out_dtype)
-        else:
-            out_row = math.prod(shape[1:]) * itemsize(self.info.dtype)
-        rows = max(1, chunk_bytes // max(out_row, 1)) // align * align
+        rows = max(1, chunk_bytes // max(self.out_row_bytes(), 1)) // align * align
         return max(align, rows)
 
     def memory(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:
@@ -80,9 +88,9 @@ class Task:
         src = info.nbytes // max(self.rows, 1) * rows
         if self.transform is None:
             return 2 * src
-        out = BY_NAME[self.transform].out_per_source_row(info.shape) * rows
-        scale = self.scale_info.nbytes if self.scale_info is not None else 0
-        return src + scale + out * (2 * itemsize(self.out_dtype) + 4)
+        out = math.prod(self.out_shape[1:]) * rows
+        sides = sum(s.info.nbytes for s in self.sides)  # whole, at most (a run's span of them, for BY_ROWS sides)
+        return src + sides + out * (2 * itemsize(self.out_dtype) + 4)
 
     @property
     def nbytes_out(self) -> int:
@@ -148,13 +156,14 @@ def make_tasks(plan: Plan, inputs: ShardFiles, done: set[tuple[str, str]], publi
                 gathers.append(GatherTask(f.name, p, [(file, inputs.info(file, name)) for file, name in t.parts],
                                           t.concat_dim))
                 continue
-            key = (t.source, t.transform, t.scale, t.dtype if t.transform else None)
+            key = (t.source, t.transform, t.sides, t.dtype if t.transform else None)
             task = tasks.get(key)
             if task is None:
                 src = inputs.source(t.source)
-                scale = inputs.source(t.scale) if t.scale else None
-                task = tasks[key] = Task(t.source, src.file, src.info, t.transform, t.scale,
-                                         scale.file if scale else None, scale.info if scale else None, t.dtype)
+                roles = BY_NAME[t.transform].read_sides if t.transform in BY_NAME else ()
+                sides = tuple(SideInput(side, name, (s := inputs.source(name)).file, s.info)
+                              for side, name in zip(roles, t.sides))
+                task = tasks[key] = Task(t.source, src.file, src.info, t.transform, sides, t.dtype)
             task.pieces.append((f.name, p))
     return [*tasks.values(), *gathers]
 
@@ -186,24 +195,6 @@ def _needed_rows(task: Task) -> tuple[int, int]:
     return (lo // fmt.row_align * fmt.row_align if fmt else lo), hi
 
 
-def _check_scale_values(inputs: ShardFiles, task: Task, scale: np.ndarray) -> None:
-    if not (np.isfinite(scale).all() and (scale > 0).all()):
-        raise InputError("scale holds non-finite or non-positive values", file=inputs.root / task.scale_file,
-                         tensor=task.scale, fix="the checkpoint is corrupt; re-download this shard")
-
-
-def _global_scale(inputs: ShardFiles, task: Task, fmt: QuantFormat) -> float:
-    """The one fp32 value beside the weight that scales all of it (NVFP4), checked."""
-    name = with_leaf(fmt.base_of(task.source), fmt.global_leaf)
-    src = inputs.source(name)
-    value = float(array_from_bytes(inputs.read_from(src.file, name), "F32", src.info.shape).reshape(-1)[0])
-    problem = fmt.check_global(value)
-    if problem:
-        raise InputError(problem, file=inputs.root / src.file, tensor=name,
-                         fix="the checkpoint is corrupt; re-download this shard")
-    return value
-
-
 def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransforms | None,
              chunk_bytes: int = defaults.CHUNK_BYTES, rows: tuple[int, int] | None = None,
              ) -> list[tuple[str, PlacedTensor]]:
@@ -230,22 +221,14 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
     n_rows = task.rows
     lo, hi = rows if rows is not None else _needed_rows(task)
     fmt = BY_NAME[task.transform] if task.transform else None
-    if fmt is not None and fmt.global_leaf:
-        fmt = fmt.bind(_global_scale(inputs, task, fmt))
-    scale_full = None
-    if task.scale is not None and fmt is not None and fmt.scale_whole:
-        scale_info = task.scale_info
-        scale_full = array_from_bytes(inputs.read_from(task.scale_file, task.scale), scale_info.dtype, scale_info.shape)
-        _check_scale_values(inputs, task, scale_full)  # tiny: one float per block
+    sides = SideReader(inputs, task.source, fmt, task.sides) if fmt is not None else None
     step = task.chunk_rows(chunk_bytes)
-    scale_dtype = task.scale_info.dtype if task.scale_info is not None else None
     scalar = not info.shape
     in_row_bytes = info.nbytes // max(n_rows, 1)
-    if fmt is not None and not scalar:
-        out_row_bytes = fmt.out_per_source_row(info.shape) * itemsize(task.out_dtype)
-    # the FP8 kernel writes into this thread's reusable buffer (only without a GPU: its pinned buffers
+    out_row_bytes = task.out_row_bytes()
+    # a kernel that can writes into this thread's reusable buffer (only without a GPU: its pinned buffers
     # are the reusable ones there)
-    into = gpu is None and fmt is not None and not scalar and fmt.cpu is fp8_cpu.dequant
+    into = gpu is None and fmt is not None and not scalar and fmt.cpu_into
     # on the CPU from an input in RAM, rows are read through the file's mapping, not copied out of it
     mapped = gpu is None and not scalar and _in_ram(inputs)
     for r0 in range(lo, hi, step):
@@ -257,25 +240,22 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                 buf = gpu.staging(max(rows_in, rows_out))
             elif gpu is None and not scalar and not mapped:
                 buf = scratch("in", (r1 - r0) * in_row_bytes)
-            x = inputs.read_rows(task.file, info, r0, r1, buf, mapped=mapped)
-            if mapped:
+            axis, a, b = fmt.source_span(r0, r1, info.shape) if fmt is not None else (0, r0, r1)
+            x = read_span(inputs, task.file, info, axis, a, b, into=buf, mapped=mapped)
+            if mapped and axis == 0:
                 clock.count("chunks_read_mapped")
             if fmt is not None:
-                s0, s1 = fmt.scale_rows(r0, r1)
-                scale = scale_full[s0:s1] if scale_full is not None else \
-                    inputs.read_rows(task.scale_file, task.scale_info, s0, s1)
+                chunk = sides.chunk(x, info.dtype, r0, r1)
         if fmt is not None:
             if gpu is None:
                 clock.count(f"chunks_by_cpu_loops_{fp8_gather.cpu_loops() if fmt.cpu_compiled else 'numpy_only'}")
             with clock.activity("transform"):
                 try:
                     if gpu is not None:
-                        x = gpu.apply(fmt, x, scale, info.dtype, scale_dtype, task.out_dtype)
-                    elif into:
-                        x = fp8_cpu.dequant(x, scale, info.dtype, task.out_dtype,
-                                            out=scratch("out", (r1 - r0) * out_row_bytes))
+                        x = gpu.apply(fmt, chunk, task.out_dtype)
                     else:
-                        x = fmt.cpu(x, scale, info.dtype, task.out_dtype)
+                        x = fmt.cpu(chunk, task.out_dtype, scratch("out", (r1 - r0) * out_row_bytes) if into else None)
+                    del chunk
                 except NaNCodes as exc:  # the kernel saw rows r0.. of the tensor
                     raise NaNCodes(None if exc.row is None else r0 + exc.row,
                                    file=inputs.root / task.file, tensor=task.source) from None

@@ -21,12 +21,14 @@ The quantize stage's output formats (fp8_block, int8, int4) are the second table
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
 
 from ckpttool.errors import InputError
-from ckpttool.formats import compressed, modelopt
+from ckpttool.formats import compressed, fp8, modelopt
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
-from ckpttool.formats.row import Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
+from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
+from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
 from ckpttool.kernels.fp8 import BLOCK, FP8_DTYPES, quantize_fp8_block  # noqa: F401 - FP8_DTYPES re-exported
 from ckpttool.kernels.quant import INT4_GROUP_SIZES, pack_int4, quantize_int4_grouped, quantize_int8_per_channel
 
@@ -34,17 +36,43 @@ if TYPE_CHECKING:
     import torch
 
 DEQUANT_FORMATS: tuple[QuantFormat, ...] = (FP8_BLOCK, MXFP4, *compressed.ROWS, *modelopt.ROWS)
-BY_NAME: dict[str, QuantFormat] = {f.name: f for f in DEQUANT_FORMATS}
-COMPANIONS: tuple[Companion, ...] = tuple(f.companion for f in DEQUANT_FORMATS if f.companion is not None)
-UNDECLARED = (FP8_BLOCK, MXFP4)
+"""the rows of fixed parameters; the others are made for a config's (formats/fp8.py: FP8 blocks of any size)"""
+COMPANIONS: tuple[Companion, ...] = tuple(dict.fromkeys(f.companion for f in DEQUANT_FORMATS if f.companion is not None))
+UNDECLARED = (Rule(FP8_BLOCK, "(no quantization_config)"), Rule(MXFP4, "(no quantization_config)"))
 """what a checkpoint without a quantization config may hold (as before configs named them)"""
 HF_QUANT_CONFIG = modelopt.HF_QUANT_CONFIG
-SUPPORTED_METHODS = ("fp8", "mxfp4", compressed.METHOD, modelopt.METHOD)
+SUPPORTED_METHODS = (*fp8.METHODS, "mxfp4", compressed.METHOD, modelopt.METHOD)
 
 
-def declared_formats(quant: object, hf_quant: dict | None, config_path: object,
-                     hf_quant_path: object = None) -> tuple[QuantFormat, ...]:
-    """The rows config.json's quantization_config (and ModelOpt's hf_quant_config.json, if present)
+class _Rows(Mapping[str, QuantFormat]):
+    """Every row by the name a plan records (TensorPlan.transform): the fixed rows, then the rows a name's
+    parameters make (`fp8_block:32x32:ue8m0:scale`), so the executor finds any row a plan could name."""
+
+    def __init__(self, rows: tuple[QuantFormat, ...]):
+        self._fixed = {r.name: r for r in rows}
+
+    def __getitem__(self, name: str) -> QuantFormat:
+        row = self._fixed.get(name) or (fp8.named(name) if isinstance(name, str) else None)
+        if row is None:
+            raise KeyError(name)
+        return row
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self._fixed or fp8.named(name) is not None)
+
+    def __iter__(self):
+        return iter(self._fixed)
+
+    def __len__(self) -> int:
+        return len(self._fixed)
+
+
+BY_NAME: Mapping[str, QuantFormat] = _Rows(DEQUANT_FORMATS)
+
+
+def declared_rules(quant: object, hf_quant: dict | None, config_path: object,
+                   hf_quant_path: object = None) -> tuple[Rule, ...]:
+    """The rules config.json's quantization_config (and ModelOpt's hf_quant_config.json, if present)
     declare, read as the library that wrote them reads them. Any other method or format is refused by
     name: a plan never passes weights through under a quantization_config it does not understand."""
     if quant is not None and not isinstance(quant, dict):
@@ -55,10 +83,10 @@ def declared_formats(quant: object, hf_quant: dict | None, config_path: object,
         return modelopt.declared(quant, hf_quant, config_path, hf_quant_path)
     if not quant:
         return UNDECLARED
-    if method == "fp8":
-        return (FP8_BLOCK,)
+    if method in fp8.METHODS:
+        return fp8.declared(quant, config_path)
     if method == "mxfp4":
-        return (MXFP4,)
+        return (Rule(MXFP4, "quantization_config"),)
     if method == compressed.METHOD:
         return compressed.declared(quant, config_path)
     raise InputError(f"quantization_config quant_method {method!r} is not a format ckpttool reads", file=config_path,

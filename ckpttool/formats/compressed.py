@@ -15,12 +15,12 @@ own `decompress` bit for bit.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 from ckpttool.errors import InputError
-from ckpttool.formats.row import QuantFormat
+from ckpttool.formats.resolve import Rule
+from ckpttool.formats.row import AT_PLAN, BY_ROWS, DROPPED, WHOLE, Chunk, Name, QuantFormat, Side
 from ckpttool.kernels import nvfp4_cpu, scaled_cpu
 
 METHOD = "compressed-tensors"
@@ -42,8 +42,12 @@ def _scale_mismatch(s_shape, w_shape, want, why: str, tensor: str, file) -> Inpu
 
 
 # -- pack-quantized INT4 -------------------------------------------------------------------------------
+SHAPE = Side("shape", Name("weight_shape"), ("I64", "I32"), AT_PLAN)
+
+
 def _int4(group: int) -> QuantFormat:
-    def check(w_shape, s_shape, tensor, file) -> None:
+    def check(w_shape, sides, names, file) -> None:
+        s_shape, tensor = sides["scale"], names["scale"]
         _two_d(w_shape, "pack-quantized", tensor, file)
         cols = w_shape[1] * 8
         if cols % group:
@@ -54,59 +58,63 @@ def _int4(group: int) -> QuantFormat:
             raise _scale_mismatch(s_shape, w_shape, (w_shape[0], cols // group),
                                   f"one scale per {group} values: config.json group_size", tensor, file)
 
-    def cuda(x, scale, out_dtype):
+    def cuda(c: Chunk, out_dtype):
         from ckpttool.kernels.scaled_triton import dequant_int4
 
-        return dequant_int4(x, scale, out_dtype)
+        return dequant_int4(c.values, c.scale, out_dtype)
 
-    def example(dev):
+    def example(dev) -> Chunk:
         import torch
 
-        return (torch.zeros(1, group // 8, dtype=torch.int32, device=dev),
-                torch.ones(1, 1, dtype=torch.bfloat16, device=dev))
+        return Chunk(torch.zeros(1, group // 8, dtype=torch.int32, device=dev), "I32",
+                     {"scale": torch.ones(1, 1, dtype=torch.bfloat16, device=dev)}, {"scale": "BF16"})
 
     return QuantFormat(
         name=f"ct_int4_g{group}", title=f"compressed-tensors pack-quantized INT4 (group {group})",
-        weight_suffix="_packed", scale_suffix="_scale", weight_dtypes=("I32",), scale_dtype="BF16",
-        check=check, out_shape=lambda s: (s[0], s[1] * 8), companion=None,
-        row_align=1, scale_rows=lambda r0, r1: (r0, r1), scale_whole=False,
-        out_per_source_row=lambda s: math.prod(s[1:]) * 8,
-        cpu=lambda x, s, dtype, out: scaled_cpu.dequant_int4(x, s, "BF16", out), cuda=cuda, example=example,
-        shape_leaf="weight_shape", keepable=False)
+        values=Name("weight_packed"), value_dtypes=("I32",),
+        sides=(Side("scale", Name("weight_scale"), ("BF16",), BY_ROWS), SHAPE),
+        check=check, out_shape=lambda s: (s[0], s[1] * 8),
+        cpu=lambda c, out, into: scaled_cpu.dequant_int4(c.values, c.scale, "BF16", out), cuda=cuda,
+        example=example, keepable=False)
 
 
 CT_INT4 = {g: _int4(g) for g in INT4_GROUPS}
 
 
 # -- float-quantized FP8 -------------------------------------------------------------------------------
+INPUT_SCALE = Side("dropped", Name("input_scale"), read=DROPPED)
+"""a static activation scale: meaningless once the weight is dequantized"""
+
+
 def _fp8(strategy: str) -> QuantFormat:
     def want(w_shape) -> tuple:
         return (w_shape[0], 1) if strategy == "channel" else (1,)
 
-    def check(w_shape, s_shape, tensor, file) -> None:
+    def check(w_shape, sides, names, file) -> None:
+        s_shape, tensor = sides["scale"], names["scale"]
         _two_d(w_shape, "float-quantized", tensor, file)
         if tuple(s_shape) != want(w_shape):
             raise _scale_mismatch(s_shape, w_shape, want(w_shape), f"config.json strategy {strategy}", tensor, file)
 
-    def cuda(x, scale, out_dtype):
+    def cuda(c: Chunk, out_dtype):
         from ckpttool.kernels.scaled_triton import dequant_fp8_rows
 
-        return dequant_fp8_rows(x, scale, out_dtype)
+        return dequant_fp8_rows(c.values, c.scale, out_dtype)
 
-    def example(dev):
+    def example(dev) -> Chunk:
         import torch
 
-        return (torch.zeros(1, 2, dtype=torch.float8_e4m3fn, device=dev),
-                torch.ones(1, 1, dtype=torch.bfloat16, device=dev))
+        return Chunk(torch.zeros(1, 2, dtype=torch.float8_e4m3fn, device=dev), "F8_E4M3",
+                     {"scale": torch.ones(1, 1, dtype=torch.bfloat16, device=dev)}, {"scale": "BF16"})
 
+    rows = (lambda r0, r1: (r0, r1)) if strategy == "channel" else (lambda r0, r1: (0, 1))
     return QuantFormat(
         name=f"ct_fp8_{strategy}", title=f"compressed-tensors float-quantized FP8 (per {strategy})",
-        weight_suffix="", scale_suffix="_scale", weight_dtypes=("F8_E4M3",), scale_dtype="BF16",
-        check=check, out_shape=lambda s: s, companion=None,
-        row_align=1, scale_rows=(lambda r0, r1: (r0, r1)) if strategy == "channel" else (lambda r0, r1: (0, 1)),
-        scale_whole=True, out_per_source_row=lambda s: math.prod(s[1:]),
-        cpu=lambda x, s, dtype, out: scaled_cpu.dequant_fp8_rows(x, s, dtype, "BF16", out), cuda=cuda,
-        example=example, dropped_leaves=("input_scale",), keepable=False)
+        values=Name("weight"), value_dtypes=("F8_E4M3",),
+        sides=(Side("scale", Name("weight_scale"), ("BF16",), WHOLE, rows=rows), INPUT_SCALE),
+        check=check, out_shape=lambda s: s,
+        cpu=lambda c, out, into: scaled_cpu.dequant_fp8_rows(c.values, c.scale, c.dtype, "BF16", out), cuda=cuda,
+        example=example, keepable=False)
 
 
 CT_FP8_CHANNEL = _fp8("channel")
@@ -114,8 +122,9 @@ CT_FP8_TENSOR = _fp8("tensor")
 
 
 # -- nvfp4-pack-quantized -------------------------------------------------------------------------------
-def check_nvfp4(w_shape, s_shape, tensor, file) -> None:
+def check_nvfp4(w_shape, sides, names, file) -> None:
     """packed U8 [M, N/2] and F8_E4M3 scales [M, N/16] (shared by ModelOpt's spelling)."""
+    s_shape, tensor = sides["scale"], names["scale"]
     _two_d(w_shape, "NVFP4", tensor, file)
     cols = w_shape[1] * 2
     if cols % NVFP4_GROUP:
@@ -138,37 +147,37 @@ def global_scale_check(variant: str, what: str):
     return check
 
 
-def nvfp4_row(variant: str, **fields) -> QuantFormat:
-    def cpu(x, s, dtype, out, *, global_scale: float = 1.0):
-        bad = nvfp4_cpu.nan_scale_rows(s)
+def nvfp4_row(variant: str, *, values: Name, global_leaf: str, dropped: str, **fields) -> QuantFormat:
+    def cpu(c: Chunk, out: str, into):
+        bad = nvfp4_cpu.nan_scale_rows(c.scale)
         if bad.size:
             from ckpttool.kernels.fp8_cpu import NaNCodes
 
             raise NaNCodes(int(bad[0]))
-        return nvfp4_cpu.dequant(x, s, variant, global_scale, out)
+        return nvfp4_cpu.dequant(c.values, c.scale, variant, c.global_scale, out)
 
-    def cuda(x, scale, out_dtype, *, global_scale: float = 1.0):
+    def cuda(c: Chunk, out_dtype):
         from ckpttool.kernels.nvfp4 import dequant_nvfp4_cuda
 
-        return dequant_nvfp4_cuda(x, scale, variant, global_scale, out_dtype)
+        return dequant_nvfp4_cuda(c.values, c.scale, variant, c.global_scale, out_dtype)
 
-    def example(dev):
+    def example(dev) -> Chunk:
         import torch
 
-        return (torch.zeros(1, 8, dtype=torch.uint8, device=dev),
-                torch.ones(1, 1, dtype=torch.float32, device=dev).to(torch.float8_e4m3fn))
+        return Chunk(torch.zeros(1, 8, dtype=torch.uint8, device=dev), "U8",
+                     {"scale": torch.ones(1, 1, dtype=torch.float32, device=dev).to(torch.float8_e4m3fn)},
+                     {"scale": "F8_E4M3"})
 
     return QuantFormat(
-        weight_dtypes=("U8",), scale_dtype="F8_E4M3", check=check_nvfp4, out_shape=lambda s: (s[0], s[1] * 2),
-        companion=None, row_align=1, scale_rows=lambda r0, r1: (r0, r1), scale_whole=False,
-        out_per_source_row=lambda s: math.prod(s[1:]) * 2, cpu=cpu, cuda=cuda, example=example, keepable=False,
-        **fields)
+        values=values, value_dtypes=("U8",),
+        sides=(Side("scale", Name("weight_scale"), ("F8_E4M3",), BY_ROWS), Side("global", Name(global_leaf), ("F32",)),
+               Side("dropped", Name(dropped), read=DROPPED)),
+        check=check_nvfp4, out_shape=lambda s: (s[0], s[1] * 2), cpu=cpu, cuda=cuda, example=example, keepable=False,
+        check_global=global_scale_check(variant, global_leaf), **fields)
 
 
 CT_NVFP4 = nvfp4_row("compressed-tensors", name="ct_nvfp4", title="compressed-tensors nvfp4-pack-quantized NVFP4",
-                     weight_suffix="_packed", scale_suffix="_scale", global_leaf="weight_global_scale",
-                     check_global=global_scale_check("compressed-tensors", "weight_global_scale"),
-                     dropped_leaves=("input_global_scale",))
+                     values=Name("weight_packed"), global_leaf="weight_global_scale", dropped="input_global_scale")
 
 ROWS = (*CT_INT4.values(), CT_FP8_CHANNEL, CT_FP8_TENSOR, CT_NVFP4)
 
@@ -200,8 +209,9 @@ def _row(fmt: object, w: dict, where: str, source) -> QuantFormat:
     raise _refuse(args, source)
 
 
-def declared(quant: dict, source) -> tuple[QuantFormat, ...]:
-    """The rows a compressed-tensors quantization_config declares; anything else is refused by name."""
+def declared(quant: dict, source) -> tuple[Rule, ...]:
+    """The rules a compressed-tensors quantization_config declares (a row per config group, over its targets,
+    less the config's `ignore`); anything else is refused by name."""
     status = quant.get("quantization_status")
     if status != "compressed":
         raise _refuse(f"quantization_status {status!r} (only 'compressed' checkpoints hold packed weights)", source)
@@ -211,11 +221,20 @@ def declared(quant: dict, source) -> tuple[QuantFormat, ...]:
     groups = quant.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise _refuse("quantization_config without config_groups", source)
-    rows = []
+    rules = []
     for name, group in sorted(groups.items()):
         if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
             raise _refuse(f"config_groups.{name} without weights", source)
-        rows.append(_row(group.get("format") or quant.get("format"), group["weights"], f"config_groups.{name}", source))
-    if len({(r.weight_suffix, r.scale_suffix, r.weight_dtypes) for r in rows}) < len(set(rows)):
-        raise _refuse("mix of " + ", ".join(sorted({r.name for r in rows})) + " (their tensors share names)", source)
-    return tuple(dict.fromkeys(rows))
+        where = f"config_groups.{name}"
+        row = _row(group.get("format") or quant.get("format"), group["weights"], where, source)
+        rules.append(Rule(row, f"quantization_config.{where}", targets=_strings(group.get("targets"), where, source),
+                          ignore=_strings(quant.get("ignore"), "ignore", source)))
+    return tuple(rules)
+
+
+def _strings(value: object, where: str, source) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _refuse(f"{where} {value!r} (a list of module names or patterns)", source)
+    return tuple(value)

@@ -10,8 +10,12 @@ compressed-tensors divides: the formula is in kernels/nvfp4_cpu.py.
 
 from __future__ import annotations
 
+import re
+
 from ckpttool.errors import InputError
-from ckpttool.formats.compressed import global_scale_check, nvfp4_row
+from ckpttool.formats.compressed import nvfp4_row
+from ckpttool.formats.resolve import Rule
+from ckpttool.formats.row import Name
 
 METHOD = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -19,10 +23,8 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")  # the same weight tensors; W4A16 has no input_scale
 
 
-MODELOPT_NVFP4 = nvfp4_row("modelopt", name="modelopt_nvfp4", title="NVIDIA ModelOpt NVFP4", weight_suffix="",
-                           scale_suffix="_scale", global_leaf="weight_scale_2",
-                           check_global=global_scale_check("modelopt", "weight_scale_2"),
-                           dropped_leaves=("input_scale",))
+MODELOPT_NVFP4 = nvfp4_row("modelopt", name="modelopt_nvfp4", title="NVIDIA ModelOpt NVFP4", values=Name("weight"),
+                           global_leaf="weight_scale_2", dropped="input_scale")
 ROWS = (MODELOPT_NVFP4,)
 
 
@@ -32,8 +34,8 @@ def _refuse(what: str, source) -> InputError:
                           "quantization); load this checkpoint with ModelOpt or TensorRT-LLM")
 
 
-def declared(quant: dict | None, hf_quant: dict | None, config_path, hf_quant_path) -> tuple:
-    """The rows ModelOpt's config (config.json's quantization_config and/or hf_quant_config.json) declares."""
+def declared(quant: dict | None, hf_quant: dict | None, config_path, hf_quant_path) -> tuple[Rule, ...]:
+    """The rules ModelOpt's config (config.json's quantization_config and/or hf_quant_config.json) declares."""
     found = []
     if quant is not None:
         groups = quant.get("config_groups") or {}
@@ -52,4 +54,16 @@ def declared(quant: dict | None, hf_quant: dict | None, config_path, hf_quant_pa
             raise _refuse(f"KV-cache quantization {kv!r}", source)
         if sizes != {16}:
             raise _refuse(f"{algo} with group_size {sorted(sizes, key=str)}", source)
-    return ROWS
+    ignore = _excluded(quant, hf_quant)
+    origin = HF_QUANT_CONFIG if hf_quant is not None else "quantization_config"
+    return tuple(Rule(row, origin, ignore=ignore) for row in ROWS)
+
+
+def _excluded(quant: dict | None, hf_quant: dict | None) -> tuple[str, ...]:
+    """ModelOpt's `exclude_modules` (hf_quant_config.json) / `ignore` (config.json), as module patterns: its
+    `*` wildcards become regular expressions."""
+    names = []
+    for value in ((hf_quant or {}).get("quantization") or {}).get("exclude_modules"), (quant or {}).get("ignore"):
+        if isinstance(value, list):
+            names += [v for v in value if isinstance(v, str)]
+    return tuple("re:" + ".*".join(map(re.escape, n.split("*"))) + "$" if "*" in n else n for n in names)

@@ -1,11 +1,25 @@
-"""What a row of the format table says: `QuantFormat` (and `Companion`, the mp layout's name for a
-kept scale). The rows themselves live beside this module, one file per library that defines them."""
+"""What a row of the format table says: `QuantFormat`, the tensors it is made of (`Name`, `Side`), what its
+kernels receive (`Chunk`), and `Companion` (the mp layout's name for a kept scale). The rows themselves live
+beside this module, one file per library that defines them.
+
+A quantized weight is one tensor of packed values plus any number of side tensors, each with a role the
+kernels know it by: "scale", "zero" (zero points), "g_idx" (each input column's group), "global" (one fp32
+value for the whole tensor), "shape" (the dequantized shape, stored), "dropped" (activation scales, which
+mean nothing once the weight is dequantized). Every name derives from the dequantized weight's name by a
+`Name`, so no code outside a row spells a format's tensor names.
+
+Streaming: the executor makes the output in runs of its dim-0 rows (`row_align` the smallest run a row can
+take). `source_span` says which span of the stored values a run needs: their own dim-0 rows for most
+formats, or a span of their last dim where the values are stored transposed and packed along the input
+dimension (GPTQ, AWQ: output row n is stored column n). Each side is read whole once per tensor (`WHOLE`:
+small, its values checked before any chunk) or the span a run needs (`BY_ROWS`: `Side.rows` along
+`Side.axis`), or not at all at execution (`AT_PLAN`: checked at plan time; `DROPPED`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from functools import partial
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -14,12 +28,81 @@ if TYPE_CHECKING:
 
     from ckpttool.kernels.nan_flag import FirstBad
 
+WHOLE, BY_ROWS, AT_PLAN, DROPPED = "whole", "rows", "plan", "drop"
+"""how the executor reads a side tensor (see the module docstring)"""
+
 
 def with_leaf(name: str, leaf: str) -> str:
-    """`a.b.weight` -> `a.b.<leaf>`: how a weight's companion tensors are named in every format."""
+    """`a.b.weight` -> `a.b.<leaf>`: how a weight's companion tensors are named in most formats."""
     if not name.endswith("weight"):
         raise ValueError(f"{name!r} is not a weight name")
     return name[: -len("weight")] + leaf
+
+
+@dataclass(frozen=True, slots=True)
+class Name:
+    """How a stored tensor's name derives from the dequantized weight's: `leaf` replaces its last part
+    `weight` (`X.weight` -> `X.weight_scale_inv`, `X.qweight`, `X.scale`), else `text` is appended to it
+    (`X` -> `X_blocks`: gpt-oss, whose expert weights have no `.weight`)."""
+
+    text: str
+    leaf: bool = True
+
+    def of(self, base: str) -> str:
+        return with_leaf(base, self.text) if self.leaf else base + self.text
+
+    def base_of(self, stored: str) -> str | None:
+        """The dequantized name `stored` is this member of, or None where it cannot be one."""
+        if self.leaf:
+            tail = "." + self.text
+            return stored[: -len(tail)] + ".weight" if stored.endswith(tail) and len(stored) > len(tail) else None
+        if not self.text:
+            return stored
+        return stored[: -len(self.text)] if stored.endswith(self.text) and len(stored) > len(self.text) else None
+
+
+def _same_rows(r0: int, r1: int) -> tuple[int, int]:
+    return r0, r1
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    """A tensor stored beside a quantized weight's values."""
+
+    role: str
+    name: Name
+    dtypes: tuple[str, ...] = ()
+    """accepted dtypes (empty for DROPPED: whatever the writer stored)"""
+    read: str = WHOLE
+    rows: Callable[[int, int], tuple[int, int]] = _same_rows
+    """the side's span [a, b) along `axis` that output rows [r0, r1) need (read so for BY_ROWS, sliced so
+    from the whole side for WHOLE)"""
+    axis: int = 0
+    """0: the span is of dim-0 rows; -1: of the last dim (transposed formats)"""
+    encoding: str = ""
+    """what the bytes mean where the dtype does not say: "e8m0" (a U8 biased power-of-two exponent)"""
+    positive: bool = False
+    """a scale's values must be > 0, not only finite (DeepSeek's FP8 blocks)"""
+
+    @property
+    def optional(self) -> bool:
+        return self.read == DROPPED
+
+
+@dataclass(slots=True)
+class Chunk:
+    """What a kernel is given: a run of the values' rows and, per role, the side rows that run needs (or the
+    whole side). numpy arrays in their dtype's carrier on the CPU, torch tensors on CUDA."""
+
+    values: Any
+    dtype: str
+    sides: dict[str, Any] = field(default_factory=dict)
+    side_dtypes: dict[str, str] = field(default_factory=dict)
+    global_scale: float = 1.0
+
+    @property
+    def scale(self) -> Any:
+        return self.sides["scale"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,69 +121,85 @@ class Companion:
         return start // self.block, -(-length // self.block)
 
 
+CpuKernel = Callable[[Chunk, str, "np.ndarray | None"], np.ndarray]
+"""(chunk, output dtype code, buffer to write into or None) -> output rows in the output's numpy carrier"""
+CudaKernel = Callable[[Chunk, "torch.dtype"], "tuple[torch.Tensor, FirstBad | None]"]
+"""(chunk on a CUDA device, output dtype) -> (output rows, first_bad): None, or the record of the first row
+holding a NaN (kernels/nan_flag.py), read by the caller when it synchronizes anyway"""
+
+
 @dataclass(frozen=True, kw_only=True)
 class QuantFormat:
     name: str
     """recorded as TensorPlan.transform"""
     title: str
     """what `inspect` and errors call it: the library and its format name"""
-    weight_suffix: str
-    """appended to the dequantized name to get the stored weight's name"""
-    scale_suffix: str
-    """appended to the dequantized name to get the stored scales' name"""
-    weight_dtypes: tuple[str, ...]
-    scale_dtype: str
-    check: Callable[[tuple, tuple, str, object], None]
-    """(weight shape, scale shape, scale tensor name, file) -> None or InputError"""
+    values: Name
+    value_dtypes: tuple[str, ...]
+    sides: tuple[Side, ...]
+    check: Callable[[tuple, dict[str, tuple], dict[str, str], object], None]
+    """(values shape, side role -> shape, side role -> tensor name, file) -> None or InputError"""
     out_shape: Callable[[tuple], tuple]
-    companion: Companion | None
+    companion: Companion | None = None
     """how the mp layout names the scale when the format is kept (None: the key table lists it)"""
     # execution
-    row_align: int
-    scale_rows: Callable[[int, int], tuple[int, int]]
-    scale_whole: bool
-    """the scale is tiny (one value per block): read once per tensor and its values checked"""
-    out_per_source_row: Callable[[tuple[int, ...]], int]
-    """output elements per source dim-0 row, for sizing chunks"""
-    cpu: Callable[[np.ndarray, np.ndarray, str, str], np.ndarray]
-    """(source rows, scale rows, source dtype code, output dtype code) -> output rows, in numpy carriers"""
-    cuda: Callable[[torch.Tensor, torch.Tensor, torch.dtype], tuple[torch.Tensor, FirstBad | None]]
-    """(source rows, scale rows, output dtype) -> (output rows, first_bad), the rows on a CUDA device;
-    first_bad: None, or the record of the first row holding a NaN (kernels/nan_flag.py), read by the
-    caller when it synchronizes anyway"""
-    example: Callable[[torch.device], tuple[torch.Tensor, torch.Tensor]]
-    """a smallest valid (source, scale) on a device: warms a kernel up before the real data arrives"""
-    # tensors beside the weight other than its scale, named by leaf (`X.weight` -> `X.<leaf>`)
-    global_leaf: str | None = None
-    """one fp32 value for the whole tensor that the kernels take as `global_scale` (NVFP4)"""
+    row_align: int = 1
+    """output rows per smallest run (an FP8 block's 128 rows, or one packed word's worth of rows)"""
+    source_span: Callable[[int, int, tuple], tuple[int, int, int]] = lambda r0, r1, shape: (0, r0, r1)
+    """(output rows r0, r1, values shape) -> (axis, a, b): the span of the stored values they are made from,
+    along dim 0 (axis 0) or the last dim (axis -1)"""
+    cpu: CpuKernel
+    cpu_into: bool = False
+    """`cpu` writes into a given buffer (the executor passes each worker's reusable one)"""
+    cuda: CudaKernel
+    example: Callable[[torch.device], Chunk]
+    """a smallest valid chunk on a device: warms a kernel up before the real data arrives"""
     check_global: Callable[[float], str | None] = lambda g: None
-    """what is wrong with a global scale's value (None: nothing)"""
-    shape_leaf: str | None = None
-    """the dequantized shape stored as a tensor (compressed-tensors' `weight_shape`): checked at plan time"""
+    """what is wrong with a "global" side's value (None: nothing)"""
     cpu_compiled: bool = True
     """`cpu` runs compiled loops where they are built (kernels/native, numba); False: numpy's only (MXFP4),
     counted as `chunks_by_cpu_loops_numpy_only` in a run's timing"""
-    dropped_leaves: tuple[str, ...] = ()
-    """activation scales: meaningless once the weight is BF16, dropped with it when present"""
     keepable: bool = True
     """whether a plan may keep the format (shard without dequant): False where ckpttool cannot split it"""
 
-    def base_of(self, stored_weight: str) -> str:
-        """The dequantized name of a stored weight name (`X.weight_packed` -> `X.weight`)."""
-        return stored_weight[: len(stored_weight) - len(self.weight_suffix)] if self.weight_suffix else stored_weight
+    def side(self, role: str) -> Side:
+        return next(s for s in self.sides if s.role == role)
 
-    def besides(self, base: str) -> dict[str, str]:
-        """name -> role ("global", "shape", "dropped") of the tensors stored beside weight `base`."""
-        out = {}
-        if self.global_leaf:
-            out[with_leaf(base, self.global_leaf)] = "global"
-        if self.shape_leaf:
-            out[with_leaf(base, self.shape_leaf)] = "shape"
-        for leaf in self.dropped_leaves:
-            out[with_leaf(base, leaf)] = "dropped"
-        return out
+    @property
+    def read_sides(self) -> tuple[Side, ...]:
+        """The sides the executor reads, in the order TensorPlan.sides names them."""
+        return tuple(s for s in self.sides if s.read in (WHOLE, BY_ROWS))
 
-    def bind(self, global_scale: float) -> "QuantFormat":
-        """This row with one tensor's global scale given to both kernels."""
-        return replace(self, cpu=partial(self.cpu, global_scale=global_scale),
-                       cuda=partial(self.cuda, global_scale=global_scale))
+    def members(self, base: str) -> dict[str, str]:
+        """role -> stored name of every side of weight `base` (the values' name is `values.of(base)`)."""
+        return {s.role: s.name.of(base) for s in self.sides}
+
+
+def bad_row(side: Side, values: np.ndarray, dtype: str) -> int | None:
+    """The first dim-0 row of a side tensor's values holding a NaN or an infinity (or, for a side that must
+    be positive, a value <= 0), or None. Integer sides (zero points, group indices) have none. Every
+    format's scales are checked by this one function before a kernel sees them."""
+    floats = side_floats(values, side.encoding if dtype == "U8" and side.encoding else dtype)
+    if floats is None:
+        return None
+    flat = floats.reshape(floats.shape[0], -1) if floats.ndim else floats.reshape(1, 1)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(flat) | ((flat <= 0) if side.positive else False)
+    rows = np.flatnonzero(bad.any(axis=1))
+    return int(rows[0]) if rows.size else None
+
+
+def side_floats(values: np.ndarray, kind: str) -> np.ndarray | None:
+    """A side tensor's values as float32 for checking them, by dtype code or encoding (E8M0: NaN for 0xFF,
+    1.0 for every other byte, which all stand for finite powers of two); None for integer data."""
+    from ckpttool.kernels.fp8_cpu import fp8_values
+
+    if kind == "BF16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    if kind in ("F16", "F32", "F64"):
+        return values.astype(np.float32, copy=False)
+    if kind in ("F8_E4M3", "F8_E5M2"):
+        return fp8_values(kind)[values]
+    if kind in ("e8m0", "F8_E8M0"):  # a biased exponent; 0xFF is NaN (OCP microscaling)
+        return np.where(values == 0xFF, np.float32(np.nan), np.float32(1.0))
+    return None

@@ -29,7 +29,7 @@ def schedule(plan: Plan, inputs: RemoteCheckpoint, done=frozenset(), published=f
 
 
 def reads(task) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(f for f in (task.file, task.scale_file) if f is not None))
+    return task.files
 
 
 def stream_plan(ckpt: RemoteCheckpoint, plan: Plan, disk_needed: int, max_files: int) -> dict:

@@ -121,6 +121,19 @@ class ShardFiles:
         buf = read_bytes(self.fd(fname), info.start + r0 * row_bytes, nbytes, self.root / fname, out=out)
         return array_from_bytes(buf, info.dtype, (r1 - r0, *info.shape[1:]))
 
+    def read_cols(self, fname: str, info: TensorInfo, c0: int, c1: int) -> np.ndarray:
+        """Columns [c0, c1) of the last dim (every row of the dims before it) as a numpy array in the dtype's
+        carrier: one pread per row, since the columns are strided in the file. For formats packed along the
+        input dimension (GPTQ, AWQ), whose output rows are the stored columns."""
+        *lead, cols = info.shape
+        size = itemsize(info.dtype)
+        rows, width = math.prod(lead), (c1 - c0) * size
+        buf = np.empty(rows * width, dtype=np.uint8)
+        fd = self.fd(fname)
+        for r in range(rows):
+            read_bytes(fd, info.start + (r * cols + c0) * size, width, self.root / fname, out=buf[r * width:(r + 1) * width])
+        return array_from_bytes(buf, info.dtype, (*lead, c1 - c0))
+
     def mapped_range(self, fname: str, start: int, nbytes: int) -> np.ndarray:
         """Bytes [start, start + nbytes) of a file as a read-only view of a mapping of just that range, no
         copy: for an input in RAM (tmpfs), where a pread is only a memcpy out of the page cache. Its page

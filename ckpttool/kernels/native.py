@@ -38,6 +38,8 @@ _SIGNATURES = {
     "ckpttool_int4_by_pairs": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64], None),
     "ckpttool_distinct16": ([_P, _I64, _P, _P, _P], _I64),
     **{f"ckpttool_nvfp4_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64], None) for t in ("u32", "u64")},
+    **{f"ckpttool_grouped_{t}_{w}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
+       for t in ("u16", "u32", "u64") for w in ("u8", "i32")},
 }
 _SUFFIX = {np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32", np.dtype(np.uint64): "u64"}
 
@@ -181,6 +183,24 @@ def nvfp4(packed: np.ndarray, codes: np.ndarray, table: np.ndarray, out: np.ndar
        _rows(codes, np.uint8, "codes", (rows, -(-width // 8))), table.ctypes.data, out.ctypes.data,
        _rows(out, table.dtype, "out", (rows, width)), rows, width)
     return -1
+
+
+def grouped(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int, out: np.ndarray) -> None:
+    """kernels/grouped.gather in C; which is uint8 or int32 [rows, ceil(width / group)], each entry below
+    the number of 256-entry tables (checked here: the C code reads where it is told)."""
+    rows, width = codes.shape
+    if group < 1:
+        raise ValueError(f"group {group}")
+    kind = {np.dtype(np.uint8): "u8", np.dtype(np.int32): "i32"}.get(which.dtype)
+    if kind is None:
+        raise ValueError(f"which: uint8 or int32, not {which.dtype}")
+    which_stride = _rows(which, which.dtype, "which", (rows, -(-width // group)))
+    _flat(tables, tables.dtype, "tables", 256)
+    if which.size and (int(which.max()) >= tables.shape[0] // 256 or int(which.min()) < 0):
+        raise ValueError(f"which: indices in [0, {tables.shape[0] // 256})")
+    fn = getattr(_load(), f"ckpttool_grouped_{_SUFFIX[tables.dtype]}_{kind}")
+    fn(codes.ctypes.data, _rows(codes, np.uint8, "codes"), which.ctypes.data, which_stride, tables.ctypes.data,
+       out.ctypes.data, _rows(out, tables.dtype, "out", (rows, width)), rows, width, group)
 
 
 SCALED = Kernels(fp8_rows, int4_bf16, nvfp4, fp8_rows_plain, int4_bf16_pairs, int4_by_pairs, distinct16)

@@ -10,7 +10,7 @@ from ckpttool.dtypes import torch_installed
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.base import unstack_experts
 from ckpttool.families.table import family_for
-from ckpttool.formats import CKPTTOOL_QUANTIZATION, HF_QUANT_CONFIG, declared_formats, quantized_config
+from ckpttool.formats import CKPTTOOL_QUANTIZATION, HF_QUANT_CONFIG, declared_rules, quantized_config
 from ckpttool.io.checkpoint import Checkpoint, ShardFiles
 from ckpttool.io.layout import mp_file
 from ckpttool.plan import dequant as dequant_stage
@@ -27,7 +27,7 @@ class Spec:
     dequant: bool = False
     out_dtype: str = "BF16"
     mp: int | None = None  # None: HF layout (input file names, index); N: model{i}-mp{N}.safetensors
-    keep_mtp: bool = False
+    keep_mtp: bool | None = False  # None: as the layout's reference has them (HF: kept; mp: Family.mtp_in_mp)
     arch: str = "auto"  # a recipe may pin the model_type it was written for
     quantize: str | None = None  # fp8_block | int8 | int4: quantize linear weights (plan/quantize.py)
     group_size: int = 128  # int4 group size
@@ -62,15 +62,16 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
 
     tensors = [TensorPlan(name, s.info.dtype, s.info.shape, source=name, file=s.file)
                for name, s in sorted(ckpt.tensors.items())]
-    formats = _declared_formats(ckpt)
-    dequant_stage.check_scales(tensors, ckpt, formats)
-    _check_against_config(tensors, family, cfg, ckpt, formats)
+    rules = _declared_rules(ckpt)
+    dequant_stage.check_scales(tensors, ckpt, rules)
+    _check_against_config(tensors, family, cfg, ckpt, rules)
     if not spec.dequant:
-        dequant_stage.refuse_kept(tensors, formats, config_path)
+        dequant_stage.refuse_kept(tensors, rules, config_path)
     notes = [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
 
     mtp = [t for t in tensors if family.is_mtp_tensor(cfg, t.name)]
-    if mtp and not spec.keep_mtp:
+    keep_mtp = spec.keep_mtp if spec.keep_mtp is not None else spec.mp is None or family.mtp_in_mp
+    if mtp and not keep_mtp:
         dropped = {t.name for t in mtp}
         tensors = [t for t in tensors if t.name not in dropped]
         notes.append(f"dropped {len(dropped)} MTP tensors (keep them with --keep-mtp)")
@@ -78,7 +79,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         raise PlanError(f"the quantize stage ({spec.quantize}) needs torch, which the core install leaves out",
                         file=config_path, fix="pip install 'ckpttool[quantize]'")
     if spec.dequant:
-        tensors, n_quant = dequant_stage.dequant(tensors, formats, spec.out_dtype)
+        tensors, n_quant = dequant_stage.dequant(tensors, rules, spec.out_dtype)
         notes.append(f"dequantized {n_quant} quantized weights to {spec.out_dtype}" if n_quant else
                      "no quantized weights found: tensors are copied unchanged")
 
@@ -86,14 +87,14 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         if spec.mp is not None and spec.quantize != "fp8_block":
             raise PlanError(f"{spec.quantize} output is HF layout only", fix="drop the shard stage, or use fp8_block")
         n_before = len(tensors)
-        tensors = quantize_stage.quantize(tensors, family, spec.quantize, spec.group_size,
+        tensors = quantize_stage.quantize(tensors, family, cfg, spec.quantize, spec.group_size,
                                           {t.name: str(ckpt.root / t.file) for t in tensors})
         notes.append(f"quantized {len(tensors) - n_before} weights to {spec.quantize}")
 
     input_order = sorted(ckpt.files)
     if spec.mp is None:
         files = layout(tensors, input_order)
-        index = hf_index(files, family.buffer_leaves)
+        index = hf_index(files, family.buffers)
         fmt = "hf"
     else:
         files_of = {t.name: str(ckpt.root / t.file) for t in tensors}
@@ -103,7 +104,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         fmt = "mp"
 
     config = rewrite_config(ckpt.config, dequantized=spec.dequant, dtype=floating_dtype(tensors),
-                            mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not spec.keep_mtp,
+                            mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not keep_mtp,
                             explicit=family.explicit_config, source=ckpt.root / "config.json")
     if spec.quantize is not None:
         config = quantized_config(config, spec.quantize, spec.group_size)
@@ -113,11 +114,11 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
                 config=config, copies=copies, notes=notes)
 
 
-def _declared_formats(ckpt: Checkpoint):
+def _declared_rules(ckpt: Checkpoint):
     """The quantization formats config.json (and ModelOpt's hf_quant_config.json) declare; others are refused."""
     hf_quant = ckpt.side_object(HF_QUANT_CONFIG, fix="re-download it, or delete it if the checkpoint is not "
                                                      "ModelOpt-quantized")
-    return declared_formats(ckpt.config.get("quantization_config"), hf_quant, ckpt.root / "config.json",
+    return declared_rules(ckpt.config.get("quantization_config"), hf_quant, ckpt.root / "config.json",
                             ckpt.root / HF_QUANT_CONFIG)
 
 
@@ -126,13 +127,13 @@ def input_fingerprints(inputs: ShardFiles) -> dict[str, dict]:
     return {name: inputs.header_fingerprint(name) for name in sorted(inputs.files)}
 
 
-def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoint, formats) -> None:
+def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoint, rules) -> None:
     """The tensors must be exactly what config.json describes: a contradiction means the wrong
     config, a partial download or a different model, and would otherwise surface much later."""
     expected = family.expected_for(cfg, True, n_tensors=len(tensors), source=ckpt.root / "config.json")
     # packed weights as the model tensors they stand for (their names and shapes are the format's)
-    tensors = dequant_stage.dequant(tensors, tuple(f for f in formats if not f.keepable))[0]
-    scales = dequant_stage.scale_names(tensors, formats)
+    tensors = dequant_stage.dequant(tensors, tuple(r for r in rules if not r.row.keepable))[0]
+    scales = dequant_stage.scale_names(tensors, rules)
     actual = {t.name: t for t in tensors if t.name not in scales or t.name in expected}
     config_path = ckpt.root / "config.json"
     for name, t in actual.items():

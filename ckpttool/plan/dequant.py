@@ -1,149 +1,108 @@
-"""The dequant stage, at plan time: pair every quantized weight with its scales and the other tensors
-its format stores beside it (or fail), and describe the dequantized tensor it becomes. The formats,
-their names and which ones a config declares are rows of ckpttool/formats/."""
+"""The dequant stage, at plan time: resolve every quantized weight to its format (formats/resolve.py: the
+config's rules against the headers), check the tensors beside it, and describe the dequantized tensor it
+becomes. The formats, their names and which ones a config declares are rows of ckpttool/formats/."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ckpttool.errors import InputError, PlanError
-from ckpttool.formats import QuantFormat
+from ckpttool.formats import Match, Rule, resolve
+from ckpttool.formats.resolve import check_shapes, members_of, unclaimed
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.plan.types import TensorPlan
 
-Formats = tuple[QuantFormat, ...]
+Rules = tuple[Rule, ...]
 
 
-def _match(t: TensorPlan, by_name: dict[str, TensorPlan], formats: Formats) -> tuple[QuantFormat, str, str] | None:
-    """(format, dequantized name, scale name) if `t` is a quantized weight with a sibling scale tensor."""
-    for fmt in formats:
-        if t.dtype not in fmt.weight_dtypes or not t.name.endswith(fmt.weight_suffix):
-            continue
-        base = fmt.base_of(t.name)
-        if base + fmt.scale_suffix in by_name:
-            return fmt, base, base + fmt.scale_suffix
-    return None
+def matches(tensors: list[TensorPlan], rules: Rules, file_of=lambda name: None) -> dict[str, Match]:
+    """stored values name -> its Match, for every quantized weight in this list."""
+    return resolve({t.name: (t.dtype, t.shape) for t in tensors}, rules, file_of)
 
 
-def _matches(tensors: list[TensorPlan], formats: Formats) -> dict[str, tuple[QuantFormat, str, str]]:
-    by_name = {t.name: t for t in tensors}
-    return {t.name: m for t in tensors if (m := _match(t, by_name, formats))}
-
-
-def quantized_weights(tensors: list[TensorPlan], formats: Formats) -> dict[str, QuantFormat]:
-    """stored weight name -> its format, for every quantized weight with its scale beside it."""
-    return {name: m[0] for name, m in _matches(tensors, formats).items()}
-
-
-def scale_names(tensors: list[TensorPlan], formats: Formats) -> set[str]:
+def scale_names(tensors: list[TensorPlan], rules: Rules) -> set[str]:
     """Names of the tensors stored beside a quantized weight in this list (scales, global scales,
     shapes, activation scales): what the dequant stage consumes or drops."""
-    return _beside(_matches(tensors, formats), {t.name for t in tensors})
+    found = matches(tensors, rules)
+    return members_of(found) - set(found)
 
 
-def _beside(matches: dict[str, tuple[QuantFormat, str, str]], names: set[str]) -> set[str]:
-    out = set()
-    for fmt, base, scale in matches.values():
-        out.add(scale)
-        out |= set(fmt.besides(base))
-    return out & names
+def _file(ckpt: Checkpoint, name: str):
+    return ckpt.root / ckpt.source(name).file
 
 
-def _file(ckpt: Checkpoint, t: TensorPlan):
-    return ckpt.root / ckpt.source(t.source).file
+def check_scales(tensors: list[TensorPlan], ckpt: Checkpoint, rules: Rules) -> None:
+    """Every quantized weight resolves to exactly one declared format, with well-shaped side tensors of the
+    right dtypes; every tensor that looks quantized belongs to one: no silent fallbacks (the reference
+    warns and copies FP8 bytes through as if they were BF16)."""
+    header = {t.name: (t.dtype, t.shape) for t in tensors}
+    found = resolve(header, rules, lambda name: _file(ckpt, name))
+    for m in found.values():
+        row = m.row
+        for side in row.sides:
+            name = m.members.get(side.role)
+            if name is None or not side.dtypes:
+                continue
+            dtype = header[name][0]
+            if dtype not in side.dtypes:
+                raise InputError(f"{side.role} dtype is {dtype}, expected {' or '.join(side.dtypes)}",
+                                 file=_file(ckpt, name), tensor=name,
+                                 fix=f"this is not a {row.title} checkpoint as published; re-download it")
+        check_shapes(m, header, _file(ckpt, m.members.get("scale", m.values)))
+        for side in row.sides:
+            if side.role in ("global", "shape") and side.role in m.members:
+                _check_beside(ckpt, m, m.members[side.role], side.role, header)
+    unclaimed(header, rules, found, lambda name: _file(ckpt, name))
 
 
-def check_scales(tensors: list[TensorPlan], ckpt: Checkpoint, formats: Formats) -> None:
-    """Every quantized weight has a well-shaped scale of the right dtype (and every other tensor its
-    format needs), every scale has its weight: no silent fallbacks (the reference warns and copies FP8
-    bytes through as if they were BF16)."""
-    by_name = {t.name: t for t in tensors}
-    paired = set()
-    for name, (fmt, base, scale_name) in _matches(tensors, formats).items():
-        scale = by_name[scale_name]
-        file = _file(ckpt, scale)
-        if scale.dtype != fmt.scale_dtype:
-            raise InputError(f"scale dtype is {scale.dtype}, expected {fmt.scale_dtype}", file=file, tensor=scale_name,
-                             fix=f"this is not a {fmt.title} checkpoint as published; re-download it")
-        fmt.check(by_name[name].shape, scale.shape, scale_name, file)
-        for other, role in fmt.besides(base).items():
-            if role != "dropped":
-                _check_beside(ckpt, fmt, by_name[name], by_name.get(other), other, role)
-            paired.add(other)
-        paired |= {name, scale_name}
-    unpaired = [t for t in tensors if t.name not in paired]
-    for t in unpaired:  # a weight without its scale first: the cause, where its orphans are the symptom
-        _check_unpaired_weight(t, formats, _file(ckpt, t))
-    for t in unpaired:
-        _check_unpaired_scale(t, formats, _file(ckpt, t))
-
-
-def _check_beside(ckpt: Checkpoint, fmt: QuantFormat, weight: TensorPlan, t: TensorPlan | None, name: str,
-                  role: str) -> None:
+def _check_beside(ckpt: Checkpoint, m: Match, name: str, role: str, header) -> None:
     """A global scale is one F32; a stored shape (read here: 16 bytes) is the packed weight's shape."""
-    wfile = _file(ckpt, weight)
-    if t is None:
-        raise InputError(f"{fmt.title} weight has no {name!r}", file=wfile, tensor=weight.name,
-                         fix="the checkpoint is incomplete (or the index lost the entry); re-download it")
-    file = _file(ckpt, t)
+    dtype, shape = header[name]
+    file = _file(ckpt, name)
+    title = m.row.title
     if role == "global":
-        if t.dtype != "F32" or t.shape not in ((), (1,)):
-            raise InputError(f"{t.dtype} {list(t.shape)}, expected one F32 value", file=file, tensor=name,
-                             fix=f"this is not a {fmt.title} checkpoint as published; re-download it")
+        if shape not in ((), (1,)):
+            raise InputError(f"{dtype} {list(shape)}, expected one F32 value", file=file, tensor=name,
+                             fix=f"this is not a {title} checkpoint as published; re-download it")
         return
-    if t.dtype not in ("I64", "I32") or t.shape != (2,):
-        raise InputError(f"{t.dtype} {list(t.shape)}, expected two integers (rows, columns)", file=file, tensor=name,
-                         fix=f"this is not a {fmt.title} checkpoint as published; re-download it")
+    if shape != (2,):
+        raise InputError(f"{dtype} {list(shape)}, expected two integers (rows, columns)", file=file, tensor=name,
+                         fix=f"this is not a {title} checkpoint as published; re-download it")
     if not ckpt.local:  # streamed from the hub: no data before execution; config.json checks the shape
         return
     stored = tuple(int(v) for v in np.asarray(ckpt.read_array(name)))
-    packed = fmt.out_shape(weight.shape)
+    packed = m.row.out_shape(header[m.values][1])
     if stored != packed:
         why = (f"{stored[1]} columns do not fill whole int32 words of 8 values (compressed-tensors pads the last "
                "word; ckpttool reads whole words only)" if stored[0] == packed[0] and stored[1] % 8 else
-               f"{weight.name} {list(weight.shape)} holds {list(packed)}")
+               f"{m.values} {list(header[m.values][1])} holds {list(packed)}")
         raise InputError(f"says the weight is {list(stored)}, but {why}", file=file, tensor=name,
                          fix="the checkpoint is inconsistent or padded; re-download it, or dequantize it with "
                              "compressed-tensors itself")
 
 
-def _check_unpaired_weight(t: TensorPlan, formats: Formats, file) -> None:
-    for fmt in formats:
-        if t.dtype in fmt.weight_dtypes and t.name.endswith(fmt.weight_suffix):  # "" matches every name
-            raise InputError(f"{fmt.title} weight has no {fmt.base_of(t.name) + fmt.scale_suffix!r}", file=file,
-                             tensor=t.name,
-                             fix="the checkpoint is incomplete (or the index lost the scale entry); re-download it")
-
-
-def _check_unpaired_scale(t: TensorPlan, formats: Formats, file) -> None:
-    for fmt in formats:
-        if t.name.endswith(fmt.scale_suffix) and (fmt.weight_suffix or t.dtype == fmt.scale_dtype):
-            raise InputError("scale has no quantized weight beside it", file=file, tensor=t.name,
-                             fix="the checkpoint is incomplete; re-download it")
-
-
-def dequant(tensors: list[TensorPlan], formats: Formats, out_dtype: str = "BF16") -> tuple[list[TensorPlan], int]:
-    """Quantized weights become `out_dtype` tensors made from (weight, scale); the tensors beside them
-    disappear. Returns the new list and how many weights were dequantized."""
-    matches = _matches(tensors, formats)
-    beside = _beside(matches, {t.name for t in tensors})
+def dequant(tensors: list[TensorPlan], rules: Rules, out_dtype: str = "BF16") -> tuple[list[TensorPlan], int]:
+    """Quantized weights become `out_dtype` tensors made from their values and side tensors; the side
+    tensors disappear. Returns the new list and how many weights were dequantized."""
+    found = matches(tensors, rules)
+    beside = members_of(found) - set(found)
     out, n = [], 0
     for t in tensors:
         if t.name in beside:
             continue
-        if t.name in matches:
-            fmt, base, scale_name = matches[t.name]
-            t = t.with_(name=base, dtype=out_dtype, shape=fmt.out_shape(t.shape), transform=fmt.name,
-                        scale=scale_name)
+        m = found.get(t.name)
+        if m is not None:
+            t = t.with_(name=m.base, dtype=out_dtype, shape=m.row.out_shape(t.shape), transform=m.row.name,
+                        sides=m.sides)
             n += 1
         out.append(t)
     return out, n
 
 
-def refuse_kept(tensors: list[TensorPlan], formats: Formats, source) -> None:
+def refuse_kept(tensors: list[TensorPlan], rules: Rules, source) -> None:
     """A plan that keeps quantized weights may only keep formats ckpttool can lay out again."""
-    for fmt, _, _ in _matches(tensors, formats).values():
-        if not fmt.keepable:
-            raise PlanError(f"{fmt.title} weights can only be dequantized: ckpttool does not split or re-lay "
+    for m in matches(tensors, rules).values():
+        if not m.row.keepable:
+            raise PlanError(f"{m.row.title} weights can only be dequantized: ckpttool does not split or re-lay "
                             "packed groups across ranks", file=source,
                             fix="dequantize them too (`ckpttool convert --dtype bf16`, or a dequant stage)")

@@ -44,14 +44,15 @@ def rewrite_config(config: dict, *, dequantized: bool, dtype: str | None, mtp_ke
     return config
 
 
-def hf_index(files: list[OutFile], buffer_leaves: tuple[str, ...] = ()) -> dict:
+def hf_index(files: list[OutFile], buffers: tuple[str, ...] = ()) -> dict:
     """model.safetensors.index.json as transformers 5 writes it: `total_parameters` (the elements of every
-    tensor but those its model holds as buffers, `buffer_leaves`; quantized weights count their stored
-    elements and scales, as its FP8 layers hold them), `total_size` in bytes, and the weight map."""
+    tensor but those its model holds as buffers, named by `buffers`, the family's name endings; quantized
+    weights count their stored elements and scales, as its FP8 layers hold them), `total_size` in bytes,
+    and the weight map."""
     weight_map = {p.tensor.name: f.name for f in files for p in f.tensors}
     total = sum(p.end - p.start for f in files for p in f.tensors)
     parameters = sum(math.prod(p.tensor.shape) for f in files for p in f.tensors
-                     if p.tensor.name.rsplit(".", 1)[-1] not in buffer_leaves)
+                     if not any(p.tensor.name == b or p.tensor.name.endswith("." + b) for b in buffers))
     return {"metadata": {"total_parameters": parameters, "total_size": total, "format": "pt"},
             "weight_map": dict(sorted(weight_map.items()))}
 

@@ -29,8 +29,9 @@ class TensorPlan:
     """input tensor name whose bytes this tensor is made from"""
     transform: str | None = None
     """a dequant format (formats.BY_NAME) or a quantize transform (formats.QUANTIZE_TRANSFORMS) applied to `source`"""
-    scale: str | None = None
-    """input tensor the transform needs beside `source` (FP8 block scales, MXFP4 exponents)"""
+    sides: tuple[str, ...] = ()
+    """input tensors a dequant transform reads beside `source` (scales, zero points, ...), in the order of its
+    row's `read_sides`"""
     narrow: tuple[int, int, int] | None = None
     """(dim, start, length) cut from the (dequantized) source"""
     file: str | None = None

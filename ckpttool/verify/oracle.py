@@ -83,11 +83,12 @@ def _bf16_copy(reference: Path, tmp: Path) -> Path:
     from ckpttool.kernels.fp8 import dequant_fp8_block
 
     tensors = {}
+    scale_of = FP8_BLOCK.side("scale").name
     with Checkpoint(reference) as ckpt:
         for name in ckpt.tensors:
-            if name.endswith(FP8_BLOCK.scale_suffix):
+            if scale_of.base_of(name) is not None:
                 continue
-            scale = name + FP8_BLOCK.scale_suffix
+            scale = scale_of.of(name) if name.endswith(".weight") else None
             tensors[name] = (dequant_fp8_block(ckpt.read(name), ckpt.read(scale)) if scale in ckpt.tensors
                              else ckpt.read(name))
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

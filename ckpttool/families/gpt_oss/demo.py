@@ -15,8 +15,8 @@ import torch
 
 from ckpttool.families.base import layer_index
 from ckpttool.families.demo_files import write_configs, write_shards, write_tokenizer
-from ckpttool.families.gpt_oss.spec import GptOssConfig, dequant_expert_weight, hf_tensor_shapes
-from ckpttool.formats import MXFP4
+from ckpttool.families.gpt_oss.spec import (MXFP4_BLOCKS, MXFP4_SCALES, GptOssConfig, dequant_expert_weight,
+                                             hf_tensor_shapes)
 
 # Dims are small but keep every structural feature: GQA (4 q heads, 2 kv heads), 2 and 3 MXFP4 groups per
 # row, sliding window (4) shorter than a test prompt, alternating sliding/full layers, 4 experts, top-2,
@@ -62,9 +62,9 @@ def build_gpt_oss_checkpoint(dst: Path, *, mxfp4: bool = True, seed: int = 0, ov
     for name, shape in hf_tensor_shapes(cfg, mxfp4=True).items():
         tensors[name] = _make_tensor(name, shape, gen)
     if not mxfp4:
-        for name in [n for n in tensors if n.endswith(MXFP4.weight_suffix)]:
-            base = name.removesuffix(MXFP4.weight_suffix)
-            tensors[base] = dequant_expert_weight(tensors.pop(name), tensors.pop(base + MXFP4.scale_suffix),
+        for name in [n for n in tensors if n.endswith(MXFP4_BLOCKS)]:
+            base = name.removesuffix(MXFP4_BLOCKS)
+            tensors[base] = dequant_expert_weight(tensors.pop(name), tensors.pop(base + MXFP4_SCALES),
                                                   tensor=name)
 
     files: list[dict[str, torch.Tensor]] = [{} for _ in range(n_files)]
@@ -90,9 +90,9 @@ def random_mxfp4(shape: tuple[int, ...], gen: torch.Generator,
 
 
 def _make_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    if name.endswith(MXFP4.weight_suffix):
+    if name.endswith(MXFP4_BLOCKS):
         return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
-    if name.endswith(MXFP4.scale_suffix):
+    if name.endswith(MXFP4_SCALES):
         lo, hi = _SCALE_EXPONENTS
         return torch.randint(127 + lo, 127 + hi + 1, shape, generator=gen, dtype=torch.uint8)
     if name.endswith("norm.weight"):

@@ -39,6 +39,10 @@ from ckpttool.errors import InputError, PlanError
 from ckpttool.formats import MXFP4
 from ckpttool.kernels.mxfp4 import VALUES_PER_BLOCK, check_mxfp4, dequant_mxfp4
 
+MXFP4_BLOCKS = MXFP4.values.text
+"""`{proj}_blocks`: the suffix of an expert weight's MXFP4 values (formats.MXFP4)"""
+MXFP4_SCALES = MXFP4.side("scale").name.text
+
 if TYPE_CHECKING:
     import torch
 
@@ -241,20 +245,20 @@ def hf_tensor_dtype(hf_name: str) -> torch.dtype:
     """The dtype gpt-oss publishes each tensor in: u8 MXFP4 blocks/scales, BF16 for the rest."""
     import torch
 
-    return torch.uint8 if hf_name.endswith((MXFP4.weight_suffix, MXFP4.scale_suffix)) else torch.bfloat16
+    return torch.uint8 if hf_name.endswith((MXFP4_BLOCKS, MXFP4_SCALES)) else torch.bfloat16
 
 
 def mxfp4_source(hf_name: str) -> tuple[str, str] | None:
     """For a BF16 expert weight name, the (blocks, scales) names it is dequantized from; else None."""
     prefix, _, proj = hf_name.rpartition(".")
     if proj in MXFP4_PROJS and prefix.endswith(".mlp.experts"):
-        return hf_name + MXFP4.weight_suffix, hf_name + MXFP4.scale_suffix
+        return hf_name + MXFP4_BLOCKS, hf_name + MXFP4_SCALES
     return None
 
 
 def bf16_name(hf_name: str) -> str | None:
     """`...experts.gate_up_proj_blocks` -> `...experts.gate_up_proj`; None for names that are not blocks."""
-    base = hf_name.removesuffix(MXFP4.weight_suffix)
+    base = hf_name.removesuffix(MXFP4_BLOCKS)
     if base != hf_name and mxfp4_source(base):
         return base
     return None

@@ -18,8 +18,8 @@ from torch import nn
 from ckpttool.errors import InputError
 from ckpttool.families.base import ConfigArgs, Verifier, eos_ids
 from ckpttool.families.gpt_oss.model import Transformer
-from ckpttool.families.gpt_oss.spec import KEY_MAP, GptOssConfig, bf16_expert_shape, dequant_expert_weight
-from ckpttool.formats import MXFP4
+from ckpttool.families.gpt_oss.spec import (KEY_MAP, MXFP4_BLOCKS, MXFP4_SCALES, GptOssConfig, bf16_expert_shape,
+                                             dequant_expert_weight)
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.safetensors import TensorInfo, read_bytes, tensor_from_bytes
 from ckpttool.kernels.mxfp4 import check_mxfp4
@@ -80,7 +80,7 @@ def _plan(params: dict[str, nn.Parameter], sources: Sources, where: Path) -> dic
 
 def _source_names(name: str, sources: Sources) -> tuple[str, ...]:
     """(name,), or (blocks, scales) where the source holds the parameter as an MXFP4 pair."""
-    blocks, scales = name + MXFP4.weight_suffix, name + MXFP4.scale_suffix
+    blocks, scales = name + MXFP4_BLOCKS, name + MXFP4_SCALES
     return (blocks, scales) if blocks in sources else (name,)
 
 

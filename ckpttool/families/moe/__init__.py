@@ -27,5 +27,6 @@ FAMILY = Family(
     verifier=_verifier,
     mtp_config_key="num_nextn_predict_layers",
     explicit_config=spec.explicit_config,
-    buffer_leaves=("e_score_correction_bias",),  # a registered buffer in transformers' routers
+    quantize=True,
+    buffers=("e_score_correction_bias",),  # a registered buffer in transformers' routers
 )
