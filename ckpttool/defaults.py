@@ -82,7 +82,10 @@ def parse_size(text: str | int) -> int:
     from pydantic import ByteSize, TypeAdapter, ValidationError  # the recipe schema has loaded pydantic already
 
     try:
-        return int(TypeAdapter(ByteSize).validate_python(text))
+        size = int(TypeAdapter(ByteSize).validate_python(text))
     except ValidationError:
         raise ValueError(f"cannot read {text!r} as a size; use e.g. 4GiB, 512MiB or a byte count "
                          f"({SIZE_UNITS})") from None
+    if size >= 1 << 63:  # no file offset or memory size is that large (ByteSize takes any integer)
+        raise ValueError(f"{text[:40]!r}{'...' if len(text) > 40 else ''} is larger than any size can be (2^63 bytes)")
+    return size

@@ -187,6 +187,8 @@ def test_sizes_read_as_pydantic_bytesize_reads_them(tiny_v3):
     for bad in ("8 gigs", "-1GB", "GB", ""):
         with pytest.raises(ValueError, match="8GB and 8G are 8 x 10\\^9 bytes, 8GiB is 8 x 2\\^30"):
             defaults.parse_size(bad)
+    with pytest.raises(ValueError, match="larger than any size can be"):
+        defaults.parse_size("9" * 400)  # ByteSize takes any integer
     planned = json.loads(run_cli("plan", tiny_v3, "--max-memory", "20MB", "--json").stdout)
     assert planned["max_memory"] == 20_000_000
     assert "8GiB is 8 x 2^30" in " ".join(run_cli("convert", "--help").stdout.replace("│", " ").split())

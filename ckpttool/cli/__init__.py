@@ -84,12 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = app(args=argv, prog_name="ckpttool", standalone_mode=False)
     except USAGE_ERRORS as exc:
-        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `ckpttool`: the help, already printed, is the answer
-            return _exit(0, argv)
         ctx = getattr(exc, "ctx", None)
         where = ctx.command_path if ctx is not None else "ckpttool"
-        print(f"error: {printable(exc.format_message())}\n  fix: see `{where} --help`", file=sys.stderr)
-        code = exc.exit_code
+        bare = type(exc).__name__ == "NoArgsIsHelpError"  # bare `ckpttool`: the help, already printed, is the answer
+        if not bare:
+            print(f"error: {printable(exc.format_message())}\n  fix: see `{where} --help`", file=sys.stderr)
+        code = 0 if bare else exc.exit_code
     except (*ABORTS, KeyboardInterrupt, Interrupted):
         if debug:
             raise
@@ -108,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if own_sigint:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-    return _exit(code if isinstance(code, int) else 0, argv)
-
-
-def _exit(code: int, argv: list[str] | None) -> int:
+    code = code if isinstance(code, int) else 0
     if argv is None:
         sys.exit(code)
     return code
