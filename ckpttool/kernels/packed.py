@@ -13,7 +13,7 @@ one gather, out[n, k] = tables[off[n, g(k)] + code], wherever the format packs i
   cols  the codes of output row n along its columns, `per` = 32 / bits to a word, lowest bits first:
         GPTQ's qweight [K / per, N] read transposed (word (r, n) holds columns r * per ..), AWQ GEMV's [N, K / 8]
   rows  the codes of 8 output rows in one word (AWQ GEMM's qweight [K, N / 8]): row c * 8 + m at bits
-        shift_of_row[m]
+        shift_of_row[m]; each word loaded once for its 8 rows
 
 g(k) is the group of column k: a group per word where every code of a word shares one (group_of_word),
 else one per column (GPTQ's g_idx under desc_act: group_of_col).
@@ -150,7 +150,8 @@ def _cols_numpy(words, transposed, bits, off, group_of_col, table, out) -> None:
 # -- rows (AWQ GEMM) ---------------------------------------------------------------------------------------
 def rows(words: np.ndarray, shift_of_row: np.ndarray, off: np.ndarray, group_of_col: np.ndarray, table: np.ndarray,
          out: np.ndarray) -> str:
-    """Fill `out` [8 * C, K] from 4-bit `words` [K, C]: row c * 8 + m is bits [shift_of_row[m], + 4) of column c."""
+    """Fill `out` [8 * C, K] from 4-bit `words` [K, C]: row c * 8 + m is bits [shift_of_row[m], + 4) of column c;
+    the groups are contiguous, K / groups columns each (group_of_col says so, checked)."""
     width, word_cols = words.shape
     if words.dtype.itemsize != 4 or not words.flags.c_contiguous:
         raise ValueError(f"words: a C-contiguous 2-D int32 array, not {words.dtype} {words.shape}")
@@ -162,6 +163,8 @@ def rows(words: np.ndarray, shift_of_row: np.ndarray, off: np.ndarray, group_of_
     if group_of_col.shape != (width,) or group_of_col.dtype != np.int32 or not group_of_col.flags.c_contiguous:
         raise ValueError(f"group_of_col: contiguous int32 [{width}], not {group_of_col.dtype} {group_of_col.shape}")
     _check_groups(group_of_col, off.shape[1])
+    if width % off.shape[1] or not np.array_equal(group_of_col, contiguous_groups(width, width // off.shape[1])):
+        raise ValueError(f"group_of_col: {off.shape[1]} contiguous groups of {width} columns")
     lib = native.library()
     if lib is not None:
         fn = getattr(lib, f"ckpttool_packed_rows_{_suffix(table)}")

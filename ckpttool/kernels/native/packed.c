@@ -6,12 +6,13 @@
  * so a code is one gather. The loops differ only in where code(n, k) sits:
  *   cols: along the output's columns, words[n * n_stride + r * r_stride] holding k = r * per + j at bits * j
  *         (GPTQ's qweight [K / per, N], read transposed; AWQ GEMV's [N, K / 8]);
- *   rows: along the output's rows, words[k * k_stride + c] holding row c * 8 + order[i] at 4 * i (AWQ GEMM).
- * Both walk the words in tiles of the packed dimension so that a tile's cache lines serve every output row
- * that shares them. */
+ *   rows: along the output's rows, words[k * k_stride + c] holding row c * 8 + order[i] at 4 * i (AWQ GEMM),
+ *         in groups of width / groups contiguous columns.
+ * cols walks the words in tiles so that a tile's cache lines serve every output row that shares them; rows
+ * makes 8 output rows from each word it loads. */
 #include <stdint.h>
 
-#define TILE 256 /* words (cols) or input columns (rows) per tile */
+#define TILE 1024 /* words per tile (cols) */
 
 #define COLS(NAME, T)                                                                                      \
     void NAME(const uint32_t *restrict words, int64_t n_stride, int64_t r_stride, int64_t rows,           \
@@ -27,9 +28,11 @@
                 const uint32_t *restrict src = words + n * n_stride;                                    \
                 T *restrict dst = out + n * out_stride;                                                 \
                 if (group_of_word) { /* every code of a word in one group: one table a word */          \
+                    int64_t g = -1;                                                                     \
+                    const T *restrict tb = tables;                                                      \
                     for (int64_t r = r0; r < r1; r++) {                                                 \
                         const uint32_t w = src[r * r_stride];                                           \
-                        const T *restrict tb = tables + o[group_of_word[r]];                            \
+                        if (group_of_word[r] != g) tb = tables + o[g = group_of_word[r]];               \
                         T *restrict d = dst + r * per;                                                  \
                         if (bits == 4) {                                                                \
                             d[0] = tb[w & 15]; d[1] = tb[(w >> 4) & 15]; d[2] = tb[(w >> 8) & 15];      \
@@ -56,17 +59,22 @@
               const int32_t *restrict shift_of_row, const int32_t *restrict off, int64_t groups,         \
               const int32_t *restrict group_of_col, const T *restrict tables, T *restrict out,           \
               int64_t out_stride) {                                                                     \
-        for (int64_t k0 = 0; k0 < width; k0 += TILE) {                                                  \
-            const int64_t k1 = k0 + TILE < width ? k0 + TILE : width;                                   \
-            for (int64_t c = 0; c < word_cols; c++) {                                                   \
-                const uint32_t *restrict src = words + c;                                               \
-                for (int m = 0; m < 8; m++) {                                                           \
-                    const int64_t n = c * 8 + m;                                                        \
-                    const int32_t *restrict o = off + n * groups;                                       \
-                    const int s = shift_of_row[m];                                                      \
-                    T *restrict dst = out + n * out_stride;                                             \
-                    for (int64_t k = k0; k < k1; k++)                                                   \
-                        dst[k] = tables[o[group_of_col[k]] + ((src[k * k_stride] >> s) & 15)];          \
+        (void)group_of_col; /* the groups are contiguous: width / groups columns each */                \
+        const int64_t group = width / groups;                                                           \
+        for (int64_t c = 0; c < word_cols; c++) { /* 8 output rows, one column of words */             \
+            const uint32_t *restrict src = words + c;                                                   \
+            T *restrict dst[8];                                                                         \
+            int s[8];                                                                                   \
+            for (int m = 0; m < 8; m++) {                                                               \
+                dst[m] = out + (c * 8 + m) * out_stride;                                                \
+                s[m] = shift_of_row[m];                                                                 \
+            }                                                                                           \
+            for (int64_t g = 0; g < groups; g++) {                                                      \
+                const T *restrict tb[8];                                                                \
+                for (int m = 0; m < 8; m++) tb[m] = tables + off[(c * 8 + m) * groups + g];             \
+                for (int64_t k = g * group; k < (g + 1) * group; k++) {                                 \
+                    const uint32_t w = src[k * k_stride];                                               \
+                    for (int m = 0; m < 8; m++) dst[m][k] = tb[m][(w >> s[m]) & 15];                    \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
