@@ -49,18 +49,28 @@ def tables(scales: np.ndarray, zeros: np.ndarray, bits: int, out: str) -> tuple[
     values, which = scaled_cpu.distinct(np.ascontiguousarray(scales).view(np.float16))
     d = np.arange(-maxq, maxq + 1, dtype=np.float32)
     width = stride(bits)
-    prod = np.zeros((values.shape[0], width), dtype=np.float32)
+    half = np.zeros((values.shape[0], width), dtype=np.float16)
     with np.errstate(over="ignore"):  # beyond fp16's range is +-inf, as in the libraries' fp16 product
-        prod[:, : 2 * maxq + 1] = (values.astype(np.float32)[:, None] * d).astype(np.float16)
-    words = np.empty(prod.shape, dtype=carrier(out))
-    if out == "BF16":
-        round_to_bf16(prod, words, np.empty(prod.shape, dtype=np.uint32))
-    elif out == "F16":
-        words[...] = prod.astype(np.float16).view(np.uint16)
-    else:
-        words[...] = prod.view(np.uint32)
+        np.multiply(values.astype(np.float32)[:, None], d, out=half[:, : 2 * maxq + 1], casting="same_kind")
+    words = from_f16(out)[half.view(np.uint16)]
     off = which.astype(np.int32) * np.int32(width) + (maxq - zeros.astype(np.int32))
     return words.reshape(-1), np.ascontiguousarray(off, dtype=np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def from_f16(out: str) -> np.ndarray:
+    """[65536] output words: each fp16 bit pattern as the output dtype (one rounding for BF16; exact for F16 and
+    F32), so a table's fp16 products become output words in one gather."""
+    f32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    if out == "F32":
+        lut = f32.view(np.uint32).copy()
+    elif out == "F16":
+        lut = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    else:
+        lut = np.empty(1 << 16, dtype=np.uint16)
+        round_to_bf16(f32, lut, np.empty(1 << 16, dtype=np.uint32))
+    lut.setflags(write=False)
+    return lut
 
 
 def unpack(words: np.ndarray, bits: int, order: tuple[int, ...] | None = None) -> np.ndarray:
