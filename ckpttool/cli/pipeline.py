@@ -152,7 +152,9 @@ def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = No
             max_input_files: MaxInputFiles = None, revision: Revision = None, token: Token = None,
             overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
             json_: Json = False) -> None:
-    """FP8 HF checkpoint -> BF16 HF checkpoint (index, config and tokenizer rewritten/copied).
+    """Quantized HF checkpoint -> BF16 HF checkpoint (index, config and tokenizer rewritten/copied).
+
+    Reads the formats README's "Quantized inputs" lists: FP8, MXFP4, compressed-tensors, ModelOpt, GPTQ, AWQ.
 
     Example: ckpttool dequant ./DeepSeek-V3 ./DeepSeek-V3-bf16
     """

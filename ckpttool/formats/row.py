@@ -83,6 +83,9 @@ class Side:
     """what the bytes mean where the dtype does not say: "e8m0" (a U8 biased power-of-two exponent)"""
     positive: bool = False
     """a scale's values must be > 0, not only finite (DeepSeek's FP8 blocks)"""
+    check_values: Callable[[np.ndarray, dict[str, tuple]], str | None] | None = None
+    """what is wrong with a WHOLE side's values, given every read side's shape by role (None: nothing): integer
+    sides a kernel indexes with (GPTQ's g_idx), checked once per task before any chunk"""
 
     @property
     def optional(self) -> bool:

@@ -40,6 +40,9 @@ _SIGNATURES = {
     **{f"ckpttool_nvfp4_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64], None) for t in ("u32", "u64")},
     **{f"ckpttool_grouped_{t}_{w}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
        for t in ("u16", "u32", "u64") for w in ("u8", "i32")},
+    **{f"ckpttool_packed_cols_{t}": ([_P, _I64, _I64, _I64, _I64, ctypes.c_int32, _P, _I64, _P, _P, _P, _P, _I64], None)
+       for t in ("u16", "u32")},  # kernels/packed.py (GPTQ, AWQ), which checks their arguments
+    **{f"ckpttool_packed_rows_{t}": ([_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64], None) for t in ("u16", "u32")},
 }
 _SUFFIX = {np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32", np.dtype(np.uint64): "u64"}
 
