@@ -19,6 +19,7 @@ from huggingface_hub import constants as hf_constants
 from huggingface_hub.utils import build_hf_headers, filter_repo_objects, get_session, hf_raise_for_status
 
 from ckpttool.errors import InputError
+from ckpttool.hub import guard
 from ckpttool.hub.client import HUB_FAILURES, translate
 from ckpttool.hub.download import RemoteFile, _validated, is_repo_id
 from ckpttool.io.checkpoint import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, Checkpoint
@@ -52,14 +53,15 @@ class RemoteRepo:
         return hf_hub_url(self.repo_id, name, revision=self.commit, endpoint=hf_constants.ENDPOINT)
 
     def http_headers(self) -> dict[str, str]:
-        return build_hf_headers(token=self.token, library_name="ckpttool")
+        return {**build_hf_headers(token=self.token, library_name="ckpttool"), **guard.IDENTITY}
 
     def get(self, name: str, start: int = 0, end: int | None = None, cap: int | None = None) -> bytes:
-        """Bytes [start, end) of `name` (end None: to its end, at most `cap`), by one range request."""
+        """Bytes [start, end) of `name` (end None: to its end, at most `cap`), by one range request; the
+        listed size and the progress limits hold as for every transfer (hub/guard.py)."""
         headers = self.http_headers()
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        want = (end - start) if end is not None else cap
+        want = (end - start) if end is not None else None if cap is None else cap + 1  # one more: over the cap
         out = bytearray()
         try:
             with get_session().stream("GET", self.url(name), headers=headers,
@@ -117,6 +119,7 @@ def open_repo(repo_id: str, *, revision: str | None = None, allow_patterns: list
         raise translate(exc, where, False) from exc
     listing = _validated({s.rfilename: RemoteFile(s.size, s.lfs.sha256 if s.lfs else None, s.blob_id)
                           for s in info.siblings or []}, f"the hub's listing of {repo_id}")
+    guard.expect(repo_id, {n: f.size for n, f in listing.items()})  # every transfer below stops at these sizes
     wanted = {n: listing[n] for n in filter_repo_objects(listing, allow_patterns=allow_patterns,
                                                          ignore_patterns=ignore_patterns)}
     repo = RemoteRepo(repo_id, revision or "main", info.sha, wanted, token)
