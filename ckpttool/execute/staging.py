@@ -28,10 +28,13 @@ from ckpttool.timing import Timings
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+NO_SPACE_FIX = ("free space on that filesystem, then rerun the same command with --resume: the work journalled in "
+                "DST/.ckpttool-partial stands, and the free-space check then counts only what is left to write")
+
+
 def disk_error(exc: OSError, path: object) -> OutputError:
-    if exc.errno == errno.ENOSPC:
-        return OutputError("no space left on device", file=path,
-                           fix="free disk space, then rerun the same command with --resume")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutputError(f"no space left on device ({exc.strerror})", file=path, fix=NO_SPACE_FIX)
     return OutputError(f"write failed: {exc.strerror}", file=path, fix="check the output filesystem, then --resume")
 
 
@@ -103,8 +106,12 @@ class Staging:
         return joined
 
     def _open(self, journal: Path) -> None:
+        self.journal_path = journal
         try:
-            self._journal = os.fdopen(os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o644), "ab")
+            self._journal = os.open(journal, os.O_RDWR | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o644)
+            end = os.fstat(self._journal).st_size
+            if end and os.pread(self._journal, 1, end - 1) != b"\n":
+                self._append(b"\n")  # a line torn by a kill or a full disk stays apart from the next one
         except OSError as exc:
             raise disk_error(exc, journal) from None
         self.fds: dict[str, int] = {}
@@ -115,6 +122,18 @@ class Staging:
         self.on_commit: Callable[[list[tuple[str, str]]], None] | None = None
         """told of every batch once it is journalled (hub/stream.py deletes the inputs nothing needs any more)"""
         self.commit_request = CommitRequest()
+
+    def _append(self, data: bytes) -> None:
+        """Append to this process's journal and make it durable; a full disk is an error naming the journal.
+        Written with os.write, not through a buffer that would try the lost bytes again at close."""
+        try:
+            faults.point("journal")
+            view = memoryview(data)
+            while len(view):
+                view = view[os.write(self._journal, view):]
+            os.fsync(self._journal)
+        except OSError as exc:
+            raise disk_error(exc, self.journal_path) from None
 
     def _check_resumable(self, plan_path: Path, inputs: dict | None) -> None:
         """The interrupted run planned the same thing from the same input bytes (by each input file's
@@ -234,12 +253,26 @@ class Staging:
                 except OSError as exc:
                     raise disk_error(exc, self.dir / file) from None
         faults.point("commit")
-        self._journal.write(b"".join(json.dumps({"f": f, "t": t}).encode() + b"\n" for f, t in entries))
-        self._journal.flush()
-        os.fsync(self._journal.fileno())
+        self._append(b"".join(json.dumps({"f": f, "t": t}).encode() + b"\n" for f, t in entries))
         self.done.update(entries)
         if self.on_commit is not None:
             self.on_commit(entries)
+
+    def still_to_allocate(self) -> int:
+        """Bytes the output files still need on disk: each staged file's size less what is allocated to it
+        (files are sparse until written; a file already published needs nothing). What a resumed run's
+        free-space check counts: the bytes an interrupted run wrote are on disk, journalled or not."""
+        need = 0
+        for f in self.plan.files:
+            if f.name in self.published:
+                continue
+            try:
+                st = os.lstat(self.dir / f.name)
+            except FileNotFoundError:
+                need += f.size
+                continue
+            need += max(0, f.size - st.st_blocks * 512) if stat.S_ISREG(st.st_mode) else f.size
+        return need
 
     def written(self, file: str, start: int, end: int) -> None:
         """Bytes [start, end) of `file` hold their final contents (feeds the running hash). Said of each
@@ -264,8 +297,9 @@ class Staging:
     def close(self) -> None:
         self.close_files()
         self._hash_pool.shutdown(wait=True, cancel_futures=True)
-        if not self._journal.closed:
-            self._journal.close()
+        if self._journal >= 0:
+            os.close(self._journal)
+            self._journal = -1
 
     def saved_digests(self) -> dict[str, str]:
         """The running hashes left beside their files, by this or another rank's process."""
@@ -278,9 +312,7 @@ class Staging:
 
     def mark_published(self, name: str) -> None:
         """Journal that `name` has been moved into DST (a resumed publish skips it)."""
-        self._journal.write(json.dumps({"published": name}).encode() + b"\n")
-        self._journal.flush()
-        os.fsync(self._journal.fileno())
+        self._append(json.dumps({"published": name}).encode() + b"\n")
         self.published.add(name)
 
 
