@@ -58,3 +58,14 @@ class RecipeError(CkptError):
     """A recipe or --set override is invalid."""
 
     exit_code = 2
+
+
+class Stopped(BaseException):
+    """A signal ended the run: Ctrl-C (SIGINT) or SIGTERM, in this process or, `who` says, in another of the
+    run's processes. Not a failure of the input or the output: the finished work stays journalled. A
+    BaseException, like KeyboardInterrupt, so no `except Exception` mistakes it for an error; the CLI exits
+    128 + signum."""
+
+    def __init__(self, signum: int, who: str = ""):
+        super().__init__(signum, who)
+        self.signum, self.who = signum, who
