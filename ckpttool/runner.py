@@ -40,6 +40,7 @@ from ckpttool.publish.destination import (
     check_outside,
     existing_ancestor,
     free_space,
+    snapshot,
 )
 from ckpttool.publish.publish import publish
 from ckpttool.recipe import INPUT, DownloadStage, Execution, Recipe
@@ -322,7 +323,7 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
                     check_free_space(dst, sum(f.size for f in plan.files) + copies + SPACE_MARGIN)
                 if not complete:
                     staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite, timings=clock,
-                                      inputs=inputs.fingerprint())
+                                      inputs=inputs.fingerprint(), dst_before=snapshot(dst))
         except CkptError as exc:
             setup_error = exc
         if group.share_outcome(setup_error, complete):

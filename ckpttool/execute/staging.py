@@ -19,6 +19,7 @@ from typing import Callable
 
 from ckpttool import defaults, faults
 from ckpttool.errors import OutputError
+from ckpttool.execute.osutil import rename_noreplace
 from ckpttool.io.hashing import ALGORITHM, PrefixHasher
 from ckpttool.io.safetensors import printable
 from ckpttool.io.layout import JOURNAL, PARTIAL_DIR, PLAN_FILE
@@ -70,7 +71,7 @@ class Staging:
     """
 
     def __init__(self, dst: Path, plan: Plan, *, resume: bool, overwrite: bool = False, rank: int = 0,
-                 timings: Timings | None = None, inputs: dict | None = None):
+                 timings: Timings | None = None, inputs: dict | None = None, dst_before: dict | None = None):
         self.dst = Path(dst)
         self.timings = timings or Timings()
         self.dir = self.dst / PARTIAL_DIR
@@ -78,6 +79,8 @@ class Staging:
         self.plan_hash = plan.hash
         self.done: set[tuple[str, str]] = set()
         self.published: set[str] = set()
+        self.dst_before = dst_before or {}
+        """DST's entries when the run began (publish.destination.snapshot): all publish may replace"""
         plan_path = self.dir / PLAN_FILE
         journal = self.dir / (JOURNAL if rank == 0 else f"journal.{rank}.jsonl")
         if os.path.islink(self.dir):
@@ -89,9 +92,10 @@ class Staging:
                 shutil.rmtree(self.dir)
             self.dir.mkdir(parents=True)
             atomic_write(plan_path, json.dumps({"plan_hash": self.plan_hash, "resume_key": resume_key(plan),
-                                                "inputs": inputs, "plan": plan.to_json()}).encode())
+                                                "inputs": inputs, "dst_before": self.dst_before,
+                                                "plan": plan.to_json()}).encode())
         else:
-            self._check_resumable(plan_path, inputs)
+            self.dst_before = self._check_resumable(plan_path, inputs).get("dst_before") or {}
             self._load_journals()
         self._open(journal)
 
@@ -135,7 +139,7 @@ class Staging:
         except OSError as exc:
             raise disk_error(exc, self.journal_path) from None
 
-    def _check_resumable(self, plan_path: Path, inputs: dict | None) -> None:
+    def _check_resumable(self, plan_path: Path, inputs: dict | None) -> dict:
         """The interrupted run planned the same thing from the same input bytes (by each input file's
         size, mtime, ctime and sampled content), else --resume would mix old and new tensors."""
         fix = "rerun with the original arguments and inputs, or --overwrite to start over"
@@ -148,13 +152,8 @@ class Staging:
             raise OutputError("--resume: the interrupted run was planned for different inputs or options",
                               file=plan_path, fix=fix)
         if inputs is not None and saved.get("inputs") != inputs:
-            old = saved.get("inputs") or {}
-            changed = sorted(n for n in set(old) | set(inputs) if old.get(n) != inputs.get(n))
-            what = [", ".join(k for k, a, b in zip(("size", "mtime", "ctime", "content"), old.get(n) or [None] * 4,
-                                                    inputs.get(n) or [None] * 4) if a != b) for n in changed[:3]]
-            raise OutputError("--resume: input file(s) changed since the interrupted run ("
-                              + "; ".join(f"{printable(n)}: {w}" for n, w in zip(changed, what)) + ")",
-                              file=plan_path, fix=fix)
+            raise _inputs_changed(saved.get("inputs") or {}, inputs, plan_path)
+        return saved
 
     def _load_journals(self) -> None:
         for path in sorted(self.dir.glob("journal*.jsonl")):
@@ -316,6 +315,29 @@ class Staging:
         self.published.add(name)
 
 
+def _inputs_changed(old: dict, new: dict, plan_path: Path) -> OutputError:
+    """Why --resume refuses inputs that differ from the interrupted run's, and how to go on. A file put back
+    (restored after a truncation, copied in again) has a new ctime whatever its bytes, and nothing proves
+    its bytes are those the journalled tensors were made from, so the way on is to start over."""
+    changed = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
+    fields = ("size", "mtime", "ctime", "content")
+    parts, put_back = [], 0
+    for n in changed:
+        a, b = old.get(n) or [None] * 4, new.get(n) or [None] * 4
+        diff = [k for k, x, y in zip(fields, a, b) if x != y]
+        same_bytes = n in old and n in new and "size" not in diff and "content" not in diff
+        put_back += same_bytes
+        parts.append(f"{printable(n)}: {', '.join(diff)}" + (" (same size and sampled bytes: put back?)"
+                                                               if same_bytes else ""))
+    shown = "; ".join(parts[:3]) + (f"; and {len(parts) - 3} more" if len(parts) > 3 else "")
+    why = ("a file put back (restored or copied in again) always has a new ctime, and --resume cannot prove its "
+           "bytes are those the journalled work was made from" if put_back else "the input is not the one the "
+           "journalled work was made from")
+    return OutputError(f"--resume: input file(s) changed since the interrupted run ({shown})", file=plan_path,
+                       fix=f"{why}: rerun the same command with --overwrite instead of --resume to convert from the "
+                           "start (the interrupted run's work is discarded)")
+
+
 def resume_key(plan: Plan) -> str:
     """What journalled work depends on: the plan without the side files copied at publish (they are
     read then, so one that changed or went missing since does not invalidate the tensors written)."""
@@ -333,10 +355,11 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         offset += n
 
 
-def atomic_write(path: Path, data: bytes | None = None, *, copy_from: Path | None = None) -> None:
+def atomic_write(path: Path, data: bytes | None = None, *, copy_from: Path | None = None, replace: bool = True) -> None:
     """Write `data` (or stream the file `copy_from`) to `path` through a fresh temp file beside it,
     created exclusively under a random name (so a planted symlink is never followed), fsynced, then
-    renamed over `path` (a rename replaces a symlink there, never its target)."""
+    renamed over `path` (a rename replaces a symlink there, never its target). With `replace` False
+    the rename fails with FileExistsError where `path` exists, in one step (osutil.rename_noreplace)."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".ckpttool-tmp", dir=path.parent)
     except OSError as exc:
@@ -351,12 +374,14 @@ def atomic_write(path: Path, data: bytes | None = None, *, copy_from: Path | Non
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        (os.replace if replace else rename_noreplace)(tmp, path)
     except OSError as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, FileExistsError) and not replace:
+            raise
         if copy_from is not None and isinstance(exc, FileNotFoundError) and exc.filename == str(copy_from):
             raise OutputError("a file to copy from the input is gone", file=copy_from,
                               fix="restore it in the input directory, then rerun with --resume") from None

@@ -112,6 +112,28 @@ class DestinationLock:
         self.fd = -1
 
 
+def snapshot(dst: Path) -> dict[str, list[int]]:
+    """DST's top-level entries as the run begins (name -> [device, inode, size, mtime_ns]): what publish may
+    replace (with --overwrite, an earlier output). Anything else there at publish was put there during the
+    run by someone else, and is never replaced (publish.py)."""
+    out = {}
+    try:
+        names = os.listdir(dst)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if name != PARTIAL_DIR:
+            try:
+                out[name] = identity(os.lstat(dst / name))
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
 def existing_ancestor(path: Path) -> Path:
     """`path`, or its nearest parent that exists: where a DST that is not made yet will live."""
     path = Path(path)
