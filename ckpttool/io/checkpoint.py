@@ -64,7 +64,8 @@ class ShardFiles:
     local = True
     """the files are in `root` now (hub.remote.RemoteCheckpoint: headers from the hub, files later)"""
 
-    def __init__(self, root: Path | str, names: tuple[str, ...] | list[str] = ()):
+    def __init__(self, root: Path | str, names: tuple[str, ...] | list[str] = (), *, before_read=None,
+                 notes: list[str] | None = None):
         self.root = Path(root)
         if self.local and not self.root.is_dir():
             raise InputError("checkpoint directory does not exist", file=self.root,
@@ -72,6 +73,10 @@ class ShardFiles:
         self.files: dict[str, SafetensorsFile] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._before_read = before_read
+        """called once, before the first file is opened for reading (merge: io.listed's hash check)"""
+        self.notes = notes or []
+        """what the plan should say about how these files were read"""
         for fname in names:
             self._add_file(fname)
 
@@ -94,6 +99,9 @@ class ShardFiles:
         with self._lock:
             fd = self._fds.get(fname)
             if fd is None:
+                check, self._before_read = self._before_read, None
+                if check is not None:
+                    check()
                 fd = self._fds[fname] = os.open(self.root / fname, os.O_RDONLY)
             return fd
 
