@@ -75,6 +75,7 @@ def rank_share(rank0: Staging, plan: Plan, inputs, shares: list[set[str]], devic
     left beside them), and return its timings."""
 
     def share(rank: int, progress: Callable[[int], None]) -> dict:
+        inputs.reopen()  # descriptors (and read leases, io/mapped.py) of this process's own
         clock = Timings()
         staging = rank0.fork_rank(rank, clock)
         try:
