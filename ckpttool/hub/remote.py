@@ -9,6 +9,7 @@ the plan hash, which must equal the hash of planning the downloaded copy.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from ckpttool.io.checkpoint import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, Checkpoint
 from ckpttool.io.layout import INDEX_NAME
 from ckpttool.io.safetensors import MAX_HEADER_BYTES, SafetensorsFile, header_length, loads_strict_json, parse_header
 
+MAX_HEADERS_BYTES = 1 << 30
+"""all of a repo's headers together, kept in memory while planning (DeepSeek-V3's 163 add up to about 12 MB)"""
 FIRST_RANGE = 100_000  # one request holds the whole header of 97% of hub files (huggingface_hub's figure)
 HEADER_WORKERS = 16
 SIDE_FILES = ("config.json", INDEX_NAME)  # read at plan time; the other side files are fetched with the weights
@@ -44,6 +47,8 @@ class RemoteRepo:
     headers: dict[str, bytes] = field(default_factory=dict)  # file -> its first 8 + header_size bytes
     requests: int = 0
     rate: float | None = None  # bytes/s of a timed range request, when plan measured one
+    header_bytes: int = 0  # announced by the headers fetched so far
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def where(self) -> str:
@@ -98,6 +103,12 @@ class RemoteRepo:
         label = Path(self.where) / name
         head = self.get(name, 0, min(size, FIRST_RANGE))
         total = 8 + header_length(head, size, label, MAX_HEADER_BYTES)
+        with self._lock:
+            self.header_bytes += total
+            if self.header_bytes > MAX_HEADERS_BYTES:
+                raise InputError(f"the repo's safetensors headers announce over {MAX_HEADERS_BYTES} bytes by this "
+                                 "file (real repos: tens of megabytes); nothing more of them is fetched", file=label,
+                                 fix="the repo is corrupt or hostile; report it to the repo's owner")
         if len(head) < total:
             head += self.get(name, len(head), total)
         if len(head) < total:

@@ -38,6 +38,9 @@ from ckpttool.io.safetensors import (
 
 MAX_INDEX_BYTES = 256 * 1024 * 1024  # DeepSeek-V3's index is ~9 MB for 92k tensors
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
+MAX_TENSORS = 1 << 20
+"""tensors over all of a checkpoint's files: DeepSeek-V3 lists about 92,000 (weights and scales), Kimi-K2 about
+140,000; each costs about 1 KB while planned"""
 FINGERPRINT_SAMPLES, FINGERPRINT_BLOCK = 16, 4096  # 17 reads of 4 KiB per input file: cheap even on a cold disk
 _FIX_INDEX = "the index is corrupt or hostile; re-download model.safetensors.index.json"
 _FIX_CONFIG = "fix or re-download config.json (it must be one JSON object)"
@@ -69,6 +72,7 @@ class ShardFiles:
         self.files: dict[str, SafetensorsFile] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.tensor_count = 0
         self._before_read = before_read
         """called once, before the first file is opened for reading (merge: io.listed's hash check)"""
         self.notes = notes or []
@@ -79,6 +83,11 @@ class ShardFiles:
 
     def _add_file(self, fname: str) -> SafetensorsFile:
         sf = self.files[fname] = self._header(fname)
+        self.tensor_count += len(sf.tensors)
+        if self.tensor_count > MAX_TENSORS:
+            raise InputError(f"the checkpoint's headers list over {MAX_TENSORS} tensors by this file (the largest "
+                             "real checkpoints list about 150,000); planning them would exhaust memory",
+                             file=self.root / fname, fix="the checkpoint is corrupt or hostile; re-download it")
         return sf
 
     def _header(self, fname: str) -> SafetensorsFile:
