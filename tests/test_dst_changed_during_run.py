@@ -105,3 +105,16 @@ def test_overwrite_replaces_what_was_there_but_not_what_was_swapped_in(tiny_v3, 
     assert again.returncode == 0, again.stderr
     assert {n: h for n, h in _tree(dst).items() if n != "notes.txt"} == clean
     assert (dst / "notes.txt").read_bytes() == MINE and not (dst / PARTIAL_DIR).exists()
+
+
+def test_the_rename_into_dst_never_replaces_what_appears_meanwhile(tmp_path):
+    """What publish renames with where nothing was there: a name taken in between fails, both files intact."""
+    from ckpttool.execute.osutil import rename_noreplace
+
+    (tmp_path / "staged").write_bytes(b"ours")
+    (tmp_path / "taken").write_bytes(MINE)
+    with pytest.raises(FileExistsError):
+        rename_noreplace(tmp_path / "staged", tmp_path / "taken")
+    assert (tmp_path / "taken").read_bytes() == MINE and (tmp_path / "staged").read_bytes() == b"ours"
+    rename_noreplace(tmp_path / "staged", tmp_path / "free")
+    assert (tmp_path / "free").read_bytes() == b"ours" and not (tmp_path / "staged").exists()

@@ -23,9 +23,13 @@ from ckpttool.publish.destination import SPACE_MARGIN
 
 try:
     from conftest import wait_until_stopped
+    from hub_server import HubServer, load_repo
+    from test_download import REPO_ROOT, hub_env
     from tmpfs import small_tmpfs
 except ImportError:
     from tests.conftest import wait_until_stopped
+    from tests.hub_server import HubServer, load_repo
+    from tests.test_download import REPO_ROOT, hub_env
     from tests.tmpfs import small_tmpfs
 
 CONVERT = ("--mp", "2", "--device", "cpu", "--workers", "2", "--quiet")
@@ -198,3 +202,21 @@ def test_a_full_disk_while_publishing_resumes_to_the_same_output(source, clean, 
     again = _run(source, dst, "--resume")
     assert again.returncode == 0, again.stderr
     assert _digests(dst) == clean and (dst / MANIFEST).exists()
+
+
+def test_a_full_disk_while_an_input_streams_in_resumes_from_the_hub(source, clean, disk, tmp_path):
+    """Converting straight from the hub: the disk fills while the second input file arrives. The error names
+    what could not be written (the fetched file, or the output if the conversion got there first) and
+    --resume, which then fetches what is missing and finishes byte for byte."""
+    with HubServer([load_repo("org/full", source)]) as hub:
+        env = hub_env(hub.url, tmp_path / "home", CKPTTOOL_FAULT="fetch:2:stop", **ONE_COMMIT)
+        cmd = [sys.executable, "-m", "ckpttool", "convert", "org/full", str(disk / "out"), *CONVERT, "--max-input-files",
+               "1"]
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        done, filler = _held(proc, proc.pid, disk)
+        _stopped_with_a_way_back(done, "fetch/model-", "mp2.safetensors", JOURNAL)
+        filler.unlink()
+        env.pop("CKPTTOOL_FAULT")
+        again = subprocess.run(cmd + ["--resume"], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert _digests(disk / "out") == clean

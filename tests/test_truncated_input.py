@@ -147,3 +147,32 @@ def test_a_truncation_waits_for_the_views_in_flight(tmp_path):
             time.sleep(0.05)
     assert gone.wait(30) and (tmp_path / "a.safetensors").stat().st_size == 8
     files.close()
+
+
+def test_a_file_that_cannot_be_leased_is_read_not_mapped(tmp_path):
+    """A file open for writing elsewhere gets no read lease (EAGAIN): its bytes come from pread, so nothing of
+    it is mapped that a truncation could turn into SIGBUS."""
+    import mmap
+
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.arange(16 * 4096, dtype=np.uint8).reshape(16, 4096)}, str(tmp_path / "a.safetensors"))
+    writer = open(tmp_path / "a.safetensors", "r+b")  # held open for writing while the file is opened and read
+    try:
+        files = ShardFiles(tmp_path, ["a.safetensors"])
+        info = files.info("a.safetensors", "w")
+        got = files.mapped_range("a.safetensors", info.start, info.nbytes)
+        base = got
+        while getattr(base, "base", None) is not None:
+            base = base.base
+        assert not isinstance(base, (mmap.mmap, memoryview)), "a file without a lease was mapped"
+        assert bytes(got) == bytes(np.arange(16 * 4096, dtype=np.uint8))
+        files.close()
+    finally:
+        writer.close()
+    files = ShardFiles(tmp_path, ["a.safetensors"])  # the same file, leasable now: mapped
+    info = files.info("a.safetensors", "w")
+    view = files.mapped_range("a.safetensors", info.start, info.nbytes)
+    assert isinstance(view.base, memoryview) and bytes(view) == bytes(np.arange(16 * 4096, dtype=np.uint8))
+    del view
+    files.close()

@@ -91,8 +91,8 @@ def _report(error: CkptError, argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. Every failure becomes `error:` / `fix:` lines and exit code 1 (2 for usage and
-    recipe errors, 130 for Ctrl-C), with no traceback unless CKPTTOOL_DEBUG=1 or `ckpttool -v ...`
-    (then it re-raises).
+    recipe errors, 130 for Ctrl-C, 143 for SIGTERM), with no traceback unless CKPTTOOL_DEBUG=1 or
+    `ckpttool -v ...` (then it re-raises).
     Returns the exit code when called with argv (tests); with --json the error is also JSON on stdout."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("CKPTTOOL_DEBUG") == "1" or args[:1] in (["-v"], ["--verbose"])
