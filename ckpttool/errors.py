@@ -69,3 +69,24 @@ class Stopped(BaseException):
     def __init__(self, signum: int, who: str = ""):
         super().__init__(signum, who)
         self.signum, self.who = signum, who
+
+
+_stops: list[int] = []  # signals received by this process's handler (cli), in order
+
+
+def stop(signum: int) -> None:
+    """What the CLI's signal handler does: remember the signal, then raise Stopped. A handler runs between any
+    two bytecodes of the main thread, a weakref callback's or a destructor's included, where an exception is
+    swallowed; `check_stop` raises it again at the next safe point."""
+    _stops.append(signum)
+    raise Stopped(signum)
+
+
+def check_stop() -> None:
+    """Raise Stopped if a signal was received here and its exception was swallowed where it landed."""
+    if _stops:
+        raise Stopped(_stops[0])
+
+
+def forget_stops() -> None:
+    _stops.clear()

@@ -23,7 +23,7 @@ import click  # noqa: E402
 import typer  # noqa: E402
 
 from ckpttool.cli.app import app  # noqa: E402
-from ckpttool.errors import CkptError, Stopped, printable  # noqa: E402
+from ckpttool.errors import CkptError, Stopped, check_stop, forget_stops, printable, stop  # noqa: E402
 from ckpttool.execute.staging import disk_error  # noqa: E402
 
 JOURNALLED = ("a conversion's finished work stays journalled in DST/.ckpttool-partial\n"
@@ -39,7 +39,7 @@ ABORTS = tuple({click.Abort, typer.Abort})
 
 def _on_signal(signum, frame) -> None:
     """Ctrl-C and SIGTERM end a run like an error (KeyboardInterrupt would become typer's silent exit 130)."""
-    raise Stopped(signum)
+    stop(signum)
 
 
 def stopped_message(exc: BaseException) -> tuple[str, int]:
@@ -99,10 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     owned_defaults = ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))
     owned = [(signum, signal.getsignal(signum)) for signum, default in owned_defaults
              if threading.current_thread() is threading.main_thread() and _owned(signum, default)]
+    forget_stops()
     for signum, _ in owned:
         signal.signal(signum, _on_signal)
+    unraisable = sys.unraisablehook
+    if owned:  # a Stopped swallowed in a destructor is raised again (check_stop), not printed as a traceback
+        sys.unraisablehook = lambda u: None if isinstance(u.exc_value, Stopped) else unraisable(u)
     try:
         code = app(args=argv, prog_name="ckpttool", standalone_mode=False)
+        check_stop()  # a signal whose exception landed where it was swallowed (a destructor, a weakref callback)
     except USAGE_ERRORS as exc:
         ctx = getattr(exc, "ctx", None)
         where = ctx.command_path if ctx is not None else "ckpttool"
@@ -124,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         _report(error, args)
         code = error.exit_code
     finally:
+        sys.unraisablehook = unraisable
         for signum, previous in owned:  # the start-up handler's "nothing was written" would be wrong now
             signal.signal(signum, dict(owned_defaults)[signum] if getattr(previous, "ckpttool_startup", False)
                           else previous)
