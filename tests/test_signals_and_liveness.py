@@ -162,18 +162,12 @@ def test_a_stopped_rank_fails_the_run_naming_it(tiny_v3, clean, tmp_path, how):
     """Rank 1 stopped from outside (SIGSTOP, as the issue did) or by itself mid-write: rank 0 gives up on it
     after CKPTTOOL_RANK_TIMEOUT_S (3 s here), ends it, names it, and --resume finishes byte for byte."""
     dst = tmp_path / "out"
-    env = {**LIVENESS, "CKPTTOOL_FAULT": "pwrite:3:stop@1"} if how == "failpoint" else \
-        {**LIVENESS, "CKPTTOOL_FAULT": "pwrite:3:stop@0"}
     proc = _start([sys.executable, "-m", "ckpttool", "convert", str(tiny_v3), str(dst), *CONVERT, "--processes", "2"],
-                  env=env)
-    if how == "sigstop":  # rank 0 is held at its failpoint until rank 1 is stopped, then goes on
-        assert wait_until_stopped(proc)
-        ranks = _ranks_of(proc.pid)  # forked by now: rank 1 alone
-        assert len(ranks) == 1, ranks
+                  env={**LIVENESS, "CKPTTOOL_FAULT": "pwrite:3:stop@1"})
+    ranks = [_stopped_rank(proc.pid)]  # rank 1, held at its third write: its share is not done
+    if how == "sigstop":  # let it go on, and stop it from outside at once, mid-share
+        os.kill(ranks[0], signal.SIGCONT)
         os.kill(ranks[0], signal.SIGSTOP)
-        proc.send_signal(signal.SIGCONT)
-    else:
-        ranks = [_stopped_rank(proc.pid)]
     try:
         _, err = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
@@ -191,11 +185,12 @@ def test_a_whole_run_suspended_and_continued_is_not_a_silent_rank(tiny_v3, clean
     limit in between, that is the user's pause, not a rank's silence: the run finishes."""
     dst = tmp_path / "out"
     proc = _start([sys.executable, "-m", "ckpttool", "convert", str(tiny_v3), str(dst), *CONVERT, "--processes", "2"],
-                  env={**LIVENESS, "CKPTTOOL_FAULT": "pwrite:3:stop@0"}, start_new_session=True)
-    assert wait_until_stopped(proc), "rank 0 never reached its stop point"
-    os.killpg(proc.pid, signal.SIGSTOP)  # what the terminal does to its foreground job on Ctrl-Z
+                  env={**LIVENESS, "CKPTTOOL_FAULT": "pwrite:3:stop@1"}, start_new_session=True)
+    _stopped_rank(proc.pid)  # rank 1 is mid-share, held; stop the whole run within moments, as Ctrl-Z would
+    os.killpg(proc.pid, signal.SIGSTOP)
+    assert wait_until_stopped(proc)
     time.sleep(7)  # twice the limit
-    os.killpg(proc.pid, signal.SIGCONT)
+    os.killpg(proc.pid, signal.SIGCONT)  # `fg`: rank 1 goes on from its stop point too
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert _tree(dst) == clean
