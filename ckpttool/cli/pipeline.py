@@ -235,6 +235,8 @@ def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.
 
     The same key table read backwards: split tensors are concatenated, replicated ones taken once, experts
     gathered from their ranks, FP8 `.scale` back to `weight_scale_inv`. shard then merge is byte-identical.
+    Beside ckpttool's manifest, every shard is checked against it (size, then hash before it is read): a rank
+    file of another conversion is refused. Shards without a manifest are read unchecked.
 
     Example: ckpttool merge ./llama-mp4 ./llama-hf
     """
