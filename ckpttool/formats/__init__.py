@@ -11,6 +11,7 @@ if a new quant_method names it.
   blocks.py      fp8_block (DeepSeek V3/R1), mxfp4 (gpt-oss experts)
   compressed.py  compressed-tensors: pack-quantized INT4, float-quantized FP8 (channel, tensor), NVFP4
   modelopt.py    NVIDIA ModelOpt NVFP4
+  bnb.py         bitsandbytes 4-bit (NF4, FP4, double quant) and LLM.int8()
 
 Each dequant transform works on a run of dim-0 rows of its source, so the executor can stream any
 tensor in bounded chunks: `row_align` is the smallest run it can take (an FP8 scale covers 128 rows),
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
 
 from ckpttool.errors import InputError
-from ckpttool.formats import compressed, fp8, modelopt
+from ckpttool.formats import bnb, compressed, fp8, modelopt
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
 from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
 from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
@@ -35,13 +36,18 @@ from ckpttool.kernels.quant import INT4_GROUP_SIZES, pack_int4, quantize_int4_gr
 if TYPE_CHECKING:
     import torch
 
-DEQUANT_FORMATS: tuple[QuantFormat, ...] = (FP8_BLOCK, MXFP4, *compressed.ROWS, *modelopt.ROWS)
+DEQUANT_FORMATS: tuple[QuantFormat, ...] = (FP8_BLOCK, MXFP4, *compressed.ROWS, *modelopt.ROWS, *bnb.ROWS)
 """the rows of fixed parameters; the others are made for a config's (formats/fp8.py: FP8 blocks of any size)"""
 COMPANIONS: tuple[Companion, ...] = tuple(dict.fromkeys(f.companion for f in DEQUANT_FORMATS if f.companion is not None))
 UNDECLARED = (Rule(FP8_BLOCK, "(no quantization_config)"), Rule(MXFP4, "(no quantization_config)"))
 """what a checkpoint without a quantization config may hold (as before configs named them)"""
 HF_QUANT_CONFIG = modelopt.HF_QUANT_CONFIG
-SUPPORTED_METHODS = (*fp8.METHODS, "mxfp4", compressed.METHOD, modelopt.METHOD)
+SUPPORTED_METHODS = (*fp8.METHODS, "mxfp4", compressed.METHOD, modelopt.METHOD, bnb.METHOD)
+
+
+def _named(name: str) -> QuantFormat | None:
+    """The row of a parametric family a plan's transform name stands for (each library's `named`), or None."""
+    return fp8.named(name) or bnb.named(name)
 
 
 class _Rows(Mapping[str, QuantFormat]):
@@ -52,13 +58,13 @@ class _Rows(Mapping[str, QuantFormat]):
         self._fixed = {r.name: r for r in rows}
 
     def __getitem__(self, name: str) -> QuantFormat:
-        row = self._fixed.get(name) or (fp8.named(name) if isinstance(name, str) else None)
+        row = self._fixed.get(name) or (_named(name) if isinstance(name, str) else None)
         if row is None:
             raise KeyError(name)
         return row
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in self._fixed or fp8.named(name) is not None)
+        return isinstance(name, str) and (name in self._fixed or _named(name) is not None)
 
     def __iter__(self):
         return iter(self._fixed)
@@ -89,6 +95,8 @@ def declared_rules(quant: object, hf_quant: dict | None, config_path: object,
         return (Rule(MXFP4, "quantization_config"),)
     if method == compressed.METHOD:
         return compressed.declared(quant, config_path)
+    if method == bnb.METHOD:
+        return bnb.declared(quant, config_path)
     raise InputError(f"quantization_config quant_method {method!r} is not a format ckpttool reads", file=config_path,
                      fix=f"ckpttool reads quant_method {', '.join(map(repr, SUPPORTED_METHODS))}; "
                          "dequantize this checkpoint with the library that wrote it")
