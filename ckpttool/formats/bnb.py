@@ -170,11 +170,9 @@ def bnb4_row(qt: str, bs: int, rows: int, cols: int, nbs: int = 0, offset_bits: 
     def check_sides(sides) -> str | None:
         if not nested:
             return None
-        with np.errstate(over="ignore", invalid="ignore"):
-            bad = np.flatnonzero(~np.isfinite(bnb_cpu.nested_absmax(sides["scale"], sides["nested_map"],
-                                                                    sides["nested_scale"], nbs, offset)))
-        return None if not bad.size else (f"double-quant absmax (nested_quant_map x nested_absmax + offset) is not a "
-                                          f"finite float32 (block {bad[0]} of the run)")
+        bad = bnb_cpu.nested_absmax_finite(sides["scale"], sides["nested_map"], sides["nested_scale"], nbs, offset)
+        return None if bad is None else (f"double-quant absmax (nested_quant_map x nested_absmax + offset) is not a "
+                                         f"finite float32 (block {bad} of the run)")
 
     def cpu(c: Chunk, out: str, into):
         return bnb_cpu.dequant_4bit(c.values, absmax(c), bnb_cpu.CODES[qt], bs, out, into).reshape(-1, cols)

@@ -47,10 +47,27 @@ _STEP = 1 << 20
 def nested_absmax(q8: np.ndarray, nested_map: np.ndarray, nested: np.ndarray, nested_blocksize: int,
                   offset: np.float32) -> np.ndarray:
     """The fp32 absmax of blocks [0, len(q8)) of a span that starts at a nested block's first block."""
-    which = np.arange(q8.shape[0]) // nested_blocksize
-    absmax = np.multiply(nested_map[q8], nested[which], dtype=np.float32)
-    absmax += np.float32(offset)
-    return absmax
+    n = q8.shape[0]
+    out = np.take(nested_map, q8)
+    full = n // nested_blocksize * nested_blocksize
+    whole = out[:full].reshape(-1, nested_blocksize)
+    np.multiply(whole, nested[: full // nested_blocksize, None], out=whole)
+    if full < n:
+        np.multiply(out[full:], nested[full // nested_blocksize], out=out[full:])
+    out += np.float32(offset)
+    return out
+
+
+def nested_absmax_finite(q8: np.ndarray, nested_map: np.ndarray, nested: np.ndarray, nested_blocksize: int,
+                         offset: np.float32) -> int | None:
+    """The first block of the span whose nested_absmax is not finite, or None. Rounding is monotonic, so where
+    max|map| * max|nested| + |offset| is finite in fp32 every block's is: only then is nothing computed."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        bound = np.float32(np.abs(nested_map).max(initial=0) * np.abs(nested).max(initial=0)) + np.abs(np.float32(offset))
+        if np.isfinite(bound):
+            return None
+        bad = np.flatnonzero(~np.isfinite(nested_absmax(q8, nested_map, nested, nested_blocksize, offset)))
+    return int(bad[0]) if bad.size else None
 
 
 def dequant_4bit(packed: np.ndarray, absmax: np.ndarray, code: np.ndarray, blocksize: int, out_dtype: str,
@@ -88,8 +105,9 @@ def int8_tables(scb: np.ndarray, out_dtype: str) -> np.ndarray:
     """[rows * 256] words: row r's output for code byte b (int8 b), as dequant_int8 computes it (the CUDA form
     gathers these)."""
     codes = np.arange(256, dtype=np.uint8).view(np.int8)
-    prod = np.multiply(codes[None, :], scb.reshape(-1, 1), dtype=np.float32)
-    prod *= INV127
+    with np.errstate(over="ignore"):
+        prod = np.multiply(codes[None, :], scb.reshape(-1, 1), dtype=np.float32)
+        prod *= INV127
     return _round(prod, out_dtype).reshape(-1)
 
 
@@ -122,8 +140,9 @@ def _numpy_int8(codes, scb, out_dtype, out) -> None:
     rows, width = codes.shape
     step = max(1, _STEP // max(width, 1))
     for r0 in range(0, rows, step):
-        prod = np.multiply(codes[r0: r0 + step], scb[r0: r0 + step, None], dtype=np.float32)
-        prod *= INV127
+        with np.errstate(over="ignore"):  # beyond fp32 is inf, as in torch
+            prod = np.multiply(codes[r0: r0 + step], scb[r0: r0 + step, None], dtype=np.float32)
+            prod *= INV127
         out[r0: r0 + step] = _round(prod, out_dtype)
 
 

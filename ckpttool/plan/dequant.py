@@ -80,8 +80,9 @@ def _plan_data(ckpt: Checkpoint, m: Match) -> dict[str, np.ndarray]:
                              file=_file(ckpt, name), tensor=name,
                              fix=f"this is not a {m.row.title} checkpoint as published; re-download it")
         if not ckpt.local:
-            raise InputError(f"{m.row.title} weights are planned from their {side.role} tensors' data, which a "
-                             "streamed hub input does not have before it runs", file=_file(ckpt, name), tensor=name,
+            raise InputError(f"{m.row.title} weights are planned from the data of tensors stored beside them (this "
+                             "one), which a streamed hub input does not have before it runs", file=_file(ckpt, name),
+                             tensor=name,
                              fix="download the checkpoint first (`ckpttool download REPO_ID DIR`), then convert DIR")
         data[side.role] = ckpt.read_array(name)
     return data
