@@ -6,6 +6,7 @@ and without double quant) and LLM.int8(). Each timing is what a worker does with
 executor runs (row.bad_row on each side, the row's check_sides) and the row's CPU kernel, writing into a reused
 buffer (`--into`, as the executor does) or a fresh one. One thread; rows interleaved in --reps rounds, the median
 of each; the first round warms caches and is not counted. Prints one JSON object with each row's ratio to FP8 block.
+CKPTTOOL_SIMD=0 or 1 caps bnb.c's instruction sets (portable loops, SSSE3; default AVX2 where the CPU has it).
 
     python bench/bnb_bench.py [--rows 7168 --cols 2048] [--reps 9] [--into]
 """
@@ -22,7 +23,7 @@ import numpy as np
 
 from ckpttool.formats import BY_NAME, FP8_BLOCK, Chunk
 from ckpttool.formats.row import BY_ROWS, WHOLE, bad_row
-from ckpttool.kernels import fp8_gather
+from ckpttool.kernels import fp8_gather, native
 
 
 def fp8_chunk(rows: int, cols: int, rng: np.random.Generator) -> Chunk:
@@ -86,6 +87,7 @@ def main() -> int:
     out_bytes = rows * cols * 2
     base = statistics.median(times["fp8_block"])
     result = {"shape": [rows, cols], "out_dtype": "BF16", "into": args.into, "loops": fp8_gather.cpu_loops(),
+              "simd": native.simd() if native.library() is not None else None,
               "machine": platform.processor() or platform.machine(), "reps": args.reps, "rows": {}}
     for n, t in times.items():
         sec = statistics.median(t)

@@ -192,3 +192,21 @@ def test_rows_not_whole_blocks_stream_in_small_chunks(layout, out, made, tmp_pat
     want = oracle(src, OUT[out])
     for name, t in want.items():
         assert ours[name].dtype == t.dtype and np.array_equal(bits(ours[name]), bits(t)), name
+
+
+@pytest.mark.parametrize("kind", ["nf4-dq", "fp4"])
+def test_the_gpu_tests_checkpoints_are_what_bitsandbytes_reads(kind, tmp_path):
+    """bnb_builders.by_hand writes the GPU tests' inputs without bitsandbytes: bitsandbytes reads them, and its
+    dequantization equals ours (DeepSeek's experts and attention included)."""
+    from bnb_builders import by_hand
+
+    from ckpttool.families.deepseek.demo import build_checkpoint
+
+    base = build_checkpoint(tmp_path / "base", "tiny-v3", fp8=False, overrides={"num_nextn_predict_layers": 0})
+    src = by_hand(base, tmp_path / "src", kind)
+    run_cli("dequant", src, tmp_path / "out", "--quiet")
+    ours, _ = load_all(tmp_path / "out")
+    want = oracle(src)
+    assert len(want) > 20
+    for name, t in want.items():
+        assert np.array_equal(bits(ours[name]), bits(t)), name

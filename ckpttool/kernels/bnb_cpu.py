@@ -12,10 +12,11 @@ LLM.int8(), `int8_vectorwise_dequant` (`A * SCB.view(-1, 1) * 7.874015718698502e
 (two fp32 products in that order, the Python constant rounded to fp32 as torch does), then one rounding.
 
 Roundings: BF16 to nearest even (fp8_cpu.round_to_bf16), F16 to nearest even with IEEE subnormals (numpy's
-astype), F32 none. bitsandbytes' own CPU kernels agree but in two corners: its AVX-512-BF16 path flushes a BF16
-result below 2**-126 to zero (its torch and CUDA paths do not; we round), and where a row is not whole blocks
-its AVX-512 path reads the absmax of the wrong block (it indexes absmax per row; the library's quantizer and its
-other paths count blocks over the flat weight, as we do).
+astype), F32 none. bitsandbytes' own kernels disagree with each other in three corners; we follow its table and
+its flat blocks: FP4's code 8 is +0.0 in its table and on its AVX-512 path, -0.0 on its scalar path (and, by its
+source, in CUDA), times the absmax; its AVX-512-BF16 path flushes a BF16 result below 2**-126 to zero (its torch
+and CUDA paths round it, as we do); and where a row is not whole blocks its AVX-512 path reads the absmax of the
+wrong block (it indexes absmax per row; its quantizer and its other paths count blocks over the flat weight).
 
 Three forms, the same bits (tests/test_formats_bnb.py runs each against bitsandbytes): C (kernels/native/bnb.c),
 numba, numpy. Each 4-bit block's 16 outputs are made once and every byte is two table loads.
