@@ -6,8 +6,8 @@
  * becomes two outputs looked up in them: on x86 with SSSE3 or AVX2, sixteen bytes at a time by byte shuffles
  * (the table's low and high bytes as two 16-byte tables, PSHUFB indexed by the nibbles), else one at a time.
  * int8 (LLM.int8()): out[i, j] = round(fp32(fp32(q[i, j] * scb[i]) * (1/127 in fp32))), the two products in
- * bitsandbytes' order; the same C compiled for AVX2 where the CPU has it (the compiler vectorizes it; no FMA:
- * AVX2 does not include it, and -std=c99 contracts nothing).
+ * bitsandbytes' order; with AVX2 computed per element (the compiler vectorizes it; no FMA: AVX2 does not include
+ * it, and -std=c99 contracts nothing), else per row's 256 codes and gathered.
  * `simd` caps the instruction sets used (0: none, 1: SSSE3, 2: AVX2; CKPTTOOL_SIMD), so the tests run each;
  * every level gives the same bits.
  * Rounding into the output: bf16.h's (nearest even, here without a branch), or to fp16 with `f16_bits` (nearest even, IEEE subnormals,
@@ -185,8 +185,10 @@ void ckpttool_bnb4_u32(const uint8_t *restrict packed, int64_t nbytes, const flo
 }
 
 /* -- int8 --------------------------------------------------------------------------------------------- */
-/* codes [rows, width] int8 (row stride in elements), scb [rows] -> out [rows, width] (row stride in elements). */
-#define BNB8(NAME, T, ROUND, ATTR)                                                                          \
+/* codes [rows, width] int8 (row stride in elements), scb [rows] -> out [rows, width] (row stride in elements).
+ * AVX2: each element computed (8 at a time, as the compiler vectorizes it); else each row's 256 outputs (one per
+ * code) first, then a gather (the FP8 block loop), which runs faster than scalar arithmetic per element. */
+#define BNB8_DIRECT(NAME, T, ROUND, ATTR)                                                                   \
     ATTR static void NAME(const int8_t *restrict codes, int64_t code_stride, const float *restrict scb,     \
                           int64_t rows, int64_t width, T *restrict out, int64_t out_stride) {               \
         const float inv127 = 7.874015718698502e-3f;                                                         \
@@ -201,12 +203,29 @@ void ckpttool_bnb4_u32(const uint8_t *restrict packed, int64_t nbytes, const flo
         }                                                                                                   \
     }
 
-BNB8(bnb8_bf16, uint16_t, bf16_bits, )
-BNB8(bnb8_f16, uint16_t, f16_bits, )
-BNB8(bnb8_f32, uint32_t, f32_bits, )
+#define BNB8_TABLE(NAME, T, ROUND)                                                                          \
+    static void NAME(const int8_t *restrict codes, int64_t code_stride, const float *restrict scb, int64_t rows, \
+                     int64_t width, T *restrict out, int64_t out_stride) {                                  \
+        const float inv127 = 7.874015718698502e-3f;                                                         \
+        T t[256];                                                                                           \
+        for (int64_t i = 0; i < rows; i++) {                                                                \
+            const float s = scb[i];                                                                         \
+            for (int k = 0; k < 256; k++) {                                                                 \
+                const float p = (float)(k < 128 ? k : k - 256) * s;                                         \
+                t[k] = (T)ROUND(p * inv127);                                                                \
+            }                                                                                               \
+            const uint8_t *restrict c = (const uint8_t *)(codes + i * code_stride);                         \
+            T *restrict o = out + i * out_stride;                                                           \
+            for (int64_t j = 0; j < width; j++) o[j] = t[c[j]];                                             \
+        }                                                                                                   \
+    }
+
+BNB8_TABLE(bnb8_bf16, uint16_t, bf16_bits)
+BNB8_TABLE(bnb8_f16, uint16_t, f16_bits)
+BNB8_TABLE(bnb8_f32, uint32_t, f32_bits)
 #ifdef BNB_X86
-BNB8(bnb8_bf16_avx2, uint16_t, bf16_bits, __attribute__((target("avx2"))))
-BNB8(bnb8_f32_avx2, uint32_t, f32_bits, __attribute__((target("avx2"))))
+BNB8_DIRECT(bnb8_bf16_avx2, uint16_t, bf16_bits, __attribute__((target("avx2"))))
+BNB8_DIRECT(bnb8_f32_avx2, uint32_t, f32_bits, __attribute__((target("avx2"))))
 #endif
 
 /* kind 0: BF16, 1: F16 (out uint16), 2: F32 (out uint32) */
