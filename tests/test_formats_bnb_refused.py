@@ -79,7 +79,9 @@ AT_PLAN = {
     "state is too large": ("fp4", set_tensor(STATE["fp4"], lambda t: torch.full((70_000,), 32, dtype=torch.uint8)),
                            None, "a bitsandbytes FP4 state is at most 65536", STATE["fp4"]),
     "state has an unknown key": ("nf4-dq", set_state("nf4-dq", lambda s: s.update(scale_fmt="x")), None,
-                                 "unexpected scale_fmt", STATE["nf4-dq"]),
+                                 "unexpected 'scale_fmt'", STATE["nf4-dq"]),
+    "state holds terminal escapes": ("fp4", set_state("fp4", lambda s: s.update(quant_type="\x1b[2J" * 40)), None,
+                                     "quant_type '\\x1b[2J", STATE["fp4"]),
     "state lacks the nested keys": ("nf4-dq", set_state("nf4-dq", lambda s: s.pop("nested_offset")), None,
                                     "missing nested_offset", STATE["nf4-dq"]),
     "state says double quant without nested tensors": (
@@ -119,7 +121,7 @@ def test_refused_at_plan_naming_the_tensor(case, made, tmp_path):
     proc = run_cli("dequant", src, tmp_path / "out", check=False)
     assert proc.returncode != 0 and message in proc.stderr and named in proc.stderr and "fix:" in proc.stderr, \
         proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+    assert "Traceback" not in proc.stderr and "\x1b" not in proc.stderr and not (tmp_path / "out").exists()
 
 
 AT_EXECUTION = {

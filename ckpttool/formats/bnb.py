@@ -75,10 +75,16 @@ def _check4(nested: bool):
     return check
 
 
+def _shown(value: object) -> str:
+    """A value read from a quant state, for a message: repr (which escapes control characters), at most 60 long."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _int(doc: dict, key: str, ok, why: str, where) -> int:
     v = doc.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or not ok(v):
-        raise InputError(f"quant state {key} {v!r}: {why}", **where, fix=_FIX)
+        raise InputError(f"quant state {key} {_shown(v)}: {why}", **where, fix=_FIX)
     return v
 
 
@@ -91,20 +97,20 @@ def _plan(qt: str, nested: bool):
             raise InputError(f"quant state is {type(doc).__name__}, not an object", **where, fix=_FIX)
         keys = _STATE_KEYS | (_NESTED_KEYS if nested else set())
         if set(doc) != keys:
-            extra, missing = sorted(set(doc) - keys), sorted(keys - set(doc))
+            extra, missing = [_shown(k) for k in sorted(set(doc) - keys)[:5]], sorted(keys - set(doc))
             raise InputError(f"quant state keys differ from bitsandbytes' {'double-quant ' if nested else ''}4-bit "
                              f"state: {'unexpected ' + ', '.join(extra) if extra else ''}"
                              f"{'; ' if extra and missing else ''}{'missing ' + ', '.join(missing) if missing else ''}"
                              + ("" if nested or not set(doc) & _NESTED_KEYS else
                                 " (it says double quant, but there is no nested_absmax beside it)"), **where, fix=_FIX)
         if doc["quant_type"] != qt or doc["dtype"] not in STATE_DTYPES:
-            raise InputError(f"quant state says quant_type {doc['quant_type']!r}, dtype {doc['dtype']!r}: expected "
+            raise InputError(f"quant state says quant_type {_shown(doc['quant_type'])}, dtype {_shown(doc['dtype'])}: expected "
                              f"{qt!r} (its name) and one of {', '.join(STATE_DTYPES)}", **where, fix=_FIX)
         bs = _int(doc, "blocksize", lambda v: v in BLOCKSIZES, f"bitsandbytes' block sizes are {BLOCKSIZES}", where)
         shape = doc["shape"]
         if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
                                                                     and v > 0 for v in shape)):
-            raise InputError(f"quant state shape {shape!r}: expected [rows, columns] (a Linear4bit weight)", **where,
+            raise InputError(f"quant state shape {_shown(shape)}: expected [rows, columns] (a Linear4bit weight)", **where,
                              fix=_FIX)
         rows, cols = shape
         if cols % 2:
@@ -128,8 +134,9 @@ def _plan(qt: str, nested: bool):
                 offset = np.float32(float(offset)) if abs(offset) < 1e39 else np.float32(np.inf)
             ok = bool(np.isfinite(offset))
         if doc["nested_dtype"] != "float32" or not ok:
-            raise InputError(f"quant state nested_dtype {doc['nested_dtype']!r}, nested_offset "
-                             f"{doc['nested_offset']!r}: expected float32 and a finite float32 number", **where, fix=_FIX)
+            raise InputError(f"quant state nested_dtype {_shown(doc['nested_dtype'])}, nested_offset "
+                             f"{_shown(doc['nested_offset'])}: expected float32 and a finite float32 number", **where,
+                             fix=_FIX)
         if tuple(shapes["nested_scale"]) != (-(-blocks // nbs),):
             raise InputError(f"nested absmax is {list(shapes['nested_scale'])}: {blocks} blocks in nested blocks of "
                              f"{nbs} need [{-(-blocks // nbs)}]", file=file, tensor=names["nested_scale"], fix=_FIX)
@@ -252,7 +259,8 @@ BNB_INT8 = QuantFormat(
     check=_check8, out_shape=lambda s: s, cpu=lambda c, out, into: bnb_cpu.dequant_int8(c.values, c.scale, out, into),
     cpu_into=True, cuda=_int8_cuda, example=_int8_example, keepable=False)
 
-ROWS = (BNB_INT8, *(template_row(qt, nested) for qt in bnb_cpu.CODES for nested in (False, True)))
+TEMPLATES = tuple(template_row(qt, nested) for qt in bnb_cpu.CODES for nested in (False, True))
+ROWS = (BNB_INT8, *TEMPLATES)
 _NAMED = re.compile(r"bnb4:(nf4|fp4):(\d+):(\d+)x(\d+)(?::(\d+):([0-9a-f]{8}))?")
 
 
@@ -295,5 +303,4 @@ def declared(quant: dict, source) -> tuple[Rule, ...]:
             raise _refuse(f"llm_int8_skip_modules entry {key!r} (not a regular expression)", source) from None
         ignore += [f"re:(?:{key})(?:(?<=\\.)|(?=\\.|$))", f"re:.*{re.escape(key)}$"]
     origin = "quantization_config (bitsandbytes " + ("4-bit)" if four else "8-bit)")
-    rows = ROWS[1:] if four else ROWS[:1]
-    return tuple(Rule(row, origin, ignore=tuple(ignore)) for row in rows)
+    return tuple(Rule(row, origin, ignore=tuple(ignore)) for row in (TEMPLATES if four else (BNB_INT8,)))
