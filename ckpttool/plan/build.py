@@ -15,7 +15,7 @@ from ckpttool.io.checkpoint import Checkpoint, ShardFiles
 from ckpttool.io.layout import mp_file
 from ckpttool.plan import dequant as dequant_stage
 from ckpttool.plan import quantize as quantize_stage
-from ckpttool.plan.rewrite import files_to_copy, hf_index, rewrite_config
+from ckpttool.plan.rewrite import files_to_copy, floating_dtype, hf_index, rewrite_config
 from ckpttool.plan.shard import shard
 from ckpttool.plan.types import Plan, TensorPlan, layout
 
@@ -94,7 +94,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     input_order = sorted(ckpt.files)
     if spec.mp is None:
         files = layout(tensors, input_order)
-        index = hf_index(files)
+        index = hf_index(files, family.buffers)
         fmt = "hf"
     else:
         files_of = {t.name: str(ckpt.root / t.file) for t in tensors}
@@ -103,7 +103,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         index = None
         fmt = "mp"
 
-    config = rewrite_config(ckpt.config, dequant_to=spec.out_dtype if spec.dequant else None,
+    config = rewrite_config(ckpt.config, dequantized=spec.dequant, dtype=floating_dtype(tensors),
                             mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not keep_mtp,
                             explicit=family.explicit_config, source=ckpt.root / "config.json")
     if spec.quantize is not None:
