@@ -11,10 +11,11 @@ from ckpttool.families.base import Family
 from ckpttool.families.deepseek import FAMILY as DEEPSEEK
 from ckpttool.families.deepseek_v4 import FAMILY as DEEPSEEK_V4
 from ckpttool.families.dense import FAMILY as DENSE
+from ckpttool.families.gated_deltanet import FAMILY as GATED_DELTANET
 from ckpttool.families.gpt_oss import FAMILY as GPT_OSS
 from ckpttool.families.moe import FAMILY as MOE
 
-FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GPT_OSS, MOE)
+FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GATED_DELTANET, GPT_OSS, MOE)
 
 MODEL_TYPES: tuple[str, ...] = tuple(sorted(t for f in FAMILIES for t in f.model_types))
 """every config.json model_type ckpttool reads"""
