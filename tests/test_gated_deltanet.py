@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import load_dir, run_cli
-from dense_models import NEW_TOKENS, PROMPT, build_hf, greedy_oracle
+from dense_models import NEW_TOKENS, PROMPT, build_hf, greedy_oracle, stack_experts
 
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.gated_deltanet import spec
@@ -161,6 +161,32 @@ def test_mp_that_cuts_a_head_group_is_refused(hybrid_hf, tmp_path):
     spec.check_mp(cfg, 2)
     with pytest.raises(PlanError, match=r"linear_num_key_heads \(2\) is not divisible by mp=4"):
         spec.check_mp(cfg, 4)
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_published_dims_plan_up_to_16_ranks(model_type):
+    """The class defaults are the published models' dims (Qwen3-Next-80B-A3B, Qwen3.5-35B-A3B): 16 query and
+    16 linear key heads, 2 KV heads (replicated past mp 2), 512 or 256 experts."""
+    cfg = spec.HybridConfig.from_dict({"model_type": model_type})
+    for mp in (1, 2, 4, 8, 16):
+        spec.check_mp(cfg, mp)
+    with pytest.raises(PlanError, match="num_attention_heads"):
+        spec.check_mp(cfg, 32)
+
+
+def test_stacked_experts_shard_as_the_per_expert_checkpoint(hybrid_hf, tmp_path):
+    """transformers 5's in-memory form (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) is read
+    as per-expert weights: the same shards, byte for byte."""
+    hf = hybrid_hf["qwen3_5_moe_text"][0]
+    stacked = tmp_path / "stacked"
+    shutil.copytree(hf, stacked)
+    save_file(stack_experts(load_file(str(hf / "model.safetensors")), 4), str(stacked / "model.safetensors"),
+              metadata={"format": "pt"})
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(str(stacked / "model.safetensors"))
+    run_cli("shard", hf, tmp_path / "a", "--mp", 2, "--quiet")
+    run_cli("shard", stacked, tmp_path / "b", "--mp", 2, "--quiet")
+    for r in range(2):
+        _equal_files(tmp_path / "a" / f"model{r}-mp2.safetensors", tmp_path / "b" / f"model{r}-mp2.safetensors")
 
 
 @pytest.mark.parametrize("field, value, message", [

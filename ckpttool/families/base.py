@@ -343,7 +343,8 @@ def unstack_experts(ckpt, keys: KeyMap, n_experts: int) -> int:
     """Read stacked expert tensors as the per-expert weights of a key table (each part is a
     contiguous byte range of the stack, so nothing is copied); returns how many were split. A table
     that names the stacked tensors itself (gpt-oss) keeps them."""
-    per_expert = {r.native.split(".")[-2]: r.hf for r in keys.rows if r.split == EXPERT and r.companion is None}
+    per_expert = {r.native.split(".")[-2]: r.hf for r in keys.rows  # the decoder's, not an MTP layer's (`mtp.layers`)
+                  if r.split == EXPERT and r.companion is None and r.hf.startswith("model.layers.{layer}.")}
     split = 0
     for name in sorted(ckpt.tensors):
         match = STACKED_EXPERTS.fullmatch(name)
