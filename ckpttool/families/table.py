@@ -13,9 +13,10 @@ from ckpttool.families.deepseek_v4 import FAMILY as DEEPSEEK_V4
 from ckpttool.families.dense import FAMILY as DENSE
 from ckpttool.families.gated_deltanet import FAMILY as GATED_DELTANET
 from ckpttool.families.gpt_oss import FAMILY as GPT_OSS
+from ckpttool.families.kimi_linear import FAMILY as KIMI_LINEAR
 from ckpttool.families.moe import FAMILY as MOE
 
-FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GATED_DELTANET, GPT_OSS, MOE)
+FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GATED_DELTANET, GPT_OSS, KIMI_LINEAR, MOE)
 
 MODEL_TYPES: tuple[str, ...] = tuple(sorted(t for f in FAMILIES for t in f.model_types))
 """every config.json model_type ckpttool reads"""
