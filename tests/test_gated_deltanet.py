@@ -189,6 +189,14 @@ def test_stacked_experts_shard_as_the_per_expert_checkpoint(hybrid_hf, tmp_path)
         _equal_files(tmp_path / "a" / f"model{r}-mp2.safetensors", tmp_path / "b" / f"model{r}-mp2.safetensors")
 
 
+def test_the_multimodal_wrapper_is_refused_with_its_reason(hybrid_hf, tmp_path):
+    src = tmp_path / "wrapper"
+    shutil.copytree(hybrid_hf["qwen3_5_moe_text"][0], src)
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": _config(src)}))
+    proc = run_cli("plan", src, "--mp", 2, check=False)
+    assert proc.returncode != 0 and "is not read yet; its text model (qwen3_5_moe_text) is" in proc.stderr
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("hidden_act", "gelu", "hidden_act 'gelu'"),
     ("layer_types", ["linear_attention", "sliding_attention", "full_attention", "linear_attention"], "layer_types"),

@@ -28,4 +28,7 @@ FAMILY = Family(
     verifier=_verifier,
     mtp_config_key="mtp_num_hidden_layers",
     explicit_config=spec.explicit_config,
+    refused_types={"qwen3_5_moe": "Qwen3.5 MoE's multimodal checkpoint (its text model under model.language_model, "
+                                  "beside the vision tower model.visual) is not read yet; its text model "
+                                  "(qwen3_5_moe_text) is"},
 )
