@@ -47,11 +47,22 @@ def _join_error(exc: Exception) -> CkptError:
                          f"single-process run, unset those variables")
 
 
-def assign_files(plan: Plan, world_size: int) -> list[set[str]]:
-    """Largest file first to the least-loaded rank: deterministic, so every rank computes the same."""
+def local_world_size() -> int:
+    """The torchrun ranks on this node (LOCAL_WORLD_SIZE): they share its cores. 1 outside torchrun."""
+    if not launched_by_torchrun():
+        return 1
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def assign_files(plan: Plan, world_size: int, among: set[str] | None = None) -> list[set[str]]:
+    """Largest file first to the least-loaded rank: deterministic, so every rank computes the same. `among`:
+    only these files (a torchrun rank's share, dealt again to its forked processes)."""
     loads = [0] * world_size
     shares: list[set[str]] = [set() for _ in range(world_size)]
-    for f in sorted(plan.files, key=lambda f: (-f.size, f.name)):
+    for f in sorted((f for f in plan.files if among is None or f.name in among), key=lambda f: (-f.size, f.name)):
         r = min(range(world_size), key=lambda i: (loads[i], i))
         shares[r].add(f.name)
         loads[r] += f.size

@@ -55,29 +55,32 @@ Share = Callable[[int, Callable[[int], None]], dict]
 
 
 def layout(plan: Plan, device: str, workers: int | None, processes: int | None, *, one_process: bool,
-           to_memory: bool) -> tuple[str, int, int]:
+           to_memory: bool, files: set[str] | None = None, share: int = 1) -> tuple[str, int, int]:
     """(device, processes, workers in each) of a run writing into tmpfs or not (`to_memory`; defaults.layout:
-    by default it splits only into tmpfs). Only a CPU run splits: `auto` is decided here, as execute would, so every
-    process converts on the CPU; a run from the hub (its fetcher) or under torchrun (`one_process`) stays
-    one process, and so does one beside other threads: a lock one of them held at fork time would be held
-    forever in the child (a library caller's threads, torch's)."""
+    by default it splits only into tmpfs), of `files` (a torchrun rank's share) or every file, on this node's
+    cores shared by `share` torchrun ranks. Only a CPU run splits: `auto` is decided here, as execute would, so
+    every process converts on the CPU; a run from the hub (its fetcher, `one_process`) stays one process, and so
+    does one beside other Python threads: a lock one of them held at fork time would be held forever in the
+    child (a library caller's threads, torch's)."""
     if device == "auto" and resolve_device(device, plan.bytes_to_write) == "cpu":
         device = "cpu"
     split = device == "cpu" and not one_process and can_fork() and threading.active_count() == 1
-    processes, workers = defaults.layout(len(plan.files), workers, processes, can_split=split, to_memory=to_memory)
+    count = len(plan.files) if files is None else len(files)
+    processes, workers = defaults.layout(count, workers, processes, can_split=split, to_memory=to_memory, share=share)
     return device, processes, workers
 
 
 def rank_share(rank0: Staging, plan: Plan, inputs, shares: list[set[str]], device: str, workers: int,
-               max_memory: int, chunk_bytes: int) -> Share:
+               max_memory: int, chunk_bytes: int, journal_tag: str = "") -> Share:
     """What forked rank r runs: join the staging directory rank 0 set up (`rank0`, as the fork left it),
-    convert its share of the files, shares[r], as a torchrun rank would (its own journal, its files' hashes
-    left beside them), and return its timings."""
+    convert its share of the files, shares[r], as a torchrun rank would (its own journal, named
+    `journal_tag` + r so that the forks of several torchrun ranks never share one; its files' hashes left
+    beside them), and return its timings."""
 
     def share(rank: int, progress: Callable[[int], None]) -> dict:
         inputs.reopen()  # descriptors (and read leases, io/mapped.py) of this process's own
         clock = Timings()
-        staging = rank0.fork_rank(rank, clock)
+        staging = rank0.fork_rank(f"{journal_tag}{rank}", clock)
         try:
             staging.open_files(shares[rank])
             with clock.phase("execute"):
