@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+from ckpttool import settings
 from ckpttool.errors import CkptError
 from ckpttool.plan.types import Plan
 
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """what torchrun sets in every process it launches: all of them, or this is not a torchrun launch"""
-JOIN_TIMEOUT_S = float(os.environ.get("CKPTTOOL_JOIN_TIMEOUT_S", 300))
-"""how long a rank waits for the others to join (they start within seconds under torchrun)"""
 RUN_TIMEOUT = timedelta(hours=12)
 """barriers after joining: a fast rank waits for the slowest rank's share of the files"""
 
@@ -42,7 +41,7 @@ def _join_error(exc: Exception) -> CkptError:
     seen = ", ".join(f"{v}={os.environ.get(v)}" for v in TORCHRUN_VARS)
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
     return CkptError(f"rank {os.environ.get('RANK')} could not join the other torchrun ranks within "
-                     f"{JOIN_TIMEOUT_S:.0f} s ({first})",
+                     f"{settings.get('CKPTTOOL_JOIN_TIMEOUT_S'):.0f} s ({first})",
                      fix=f"check that every rank was started and can reach MASTER_ADDR:MASTER_PORT ({seen}); for a "
                          f"single-process run, unset those variables")
 
@@ -84,7 +83,7 @@ class Group:
         if not dist.is_initialized():
             try:
                 dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                        timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+                                        timeout=timedelta(seconds=settings.get("CKPTTOOL_JOIN_TIMEOUT_S")))
             except Exception as exc:  # torch raises DistStoreError, RuntimeError or ValueError here
                 raise _join_error(exc) from None
             self._owned = True
