@@ -63,7 +63,7 @@ def test_moe_outputs_state_what_transformers_reads(tmp_path, model_type):
         if name in stripped and hasattr(ours, name):
             assert value == getattr(ours, name), name
     assert out["rope_theta"] == ours.rope_parameters["rope_theta"]
-    assert out["num_experts_per_tok"] == ours.num_experts_per_tok
+    assert out[moe_spec.TYPES[model_type].top_k[0]] == ours.num_experts_per_tok  # ERNIE's own name: moe_k
     for name, value in moe_spec.TYPES[model_type].hard_coded_routing.items():
         assert out[name] == value, name
     if model_type in ("qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"):

@@ -1,10 +1,10 @@
 """The GQA decoder the Llama-style families share (dense Llama/Mistral/Qwen, and the MoE families that
-keep that attention: Qwen2/3-MoE, Mixtral, OLMoE, GLM-4.5, MiniMax-M2), with tensor parallelism.
+keep that attention: Qwen2/3-MoE, Mixtral, OLMoE, GLM-4.5, MiniMax-M2, ERNIE-4.5), with tensor parallelism.
 
 Parameter names are the llama / gpt-fast mp names (`tok_embeddings`, `layers.{i}.attention.wq`,
 `attention_norm`, `ffn_norm`, `feed_forward`, `norm`, `output`); a family supplies each layer's
 feed-forward module. Numerics follow transformers: RMSNorm in float32, rotate-half RoPE on the first
-`rotary_dim` dims of each head, float32 softmax. Shapes: B batch, S new tokens, T cached positions,
+`rotary_dim` dims of each head (or, `rope_interleaved`, on adjacent pairs in float32), float32 softmax. Shapes: B batch, S new tokens, T cached positions,
 H local query heads, K local KV heads, D head_dim.
 """
 
@@ -49,6 +49,9 @@ class DecoderShape:
     tie_word_embeddings: bool
     fp8: bool
     clip_qkv: float | None = None
+    rope_interleaved: bool = False
+    """RoPE on adjacent pairs (x0, x1), (x2, x3)... in float32 (ERNIE-4.5), not on the two halves of each head"""
+    lm_head_bias: bool = False
 
     @property
     def rotary_dim(self) -> int:
@@ -142,6 +145,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): the rotation of interleaved RoPE."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE over the whole head, in float32 (cos/sin repeat each frequency twice)."""
+    return (x.float() * cos + rotate_pairs(x).float() * sin).to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] dims of each head; the rest pass through (partial rotary)."""
     r = cos.shape[-1]
@@ -174,7 +187,7 @@ class Attention(nn.Module):
         self.wk = DenseLinear(s.hidden_size, self.n_kv_heads * d, dtype, s.fp8, s.qkv_bias)
         self.wv = DenseLinear(s.hidden_size, self.n_kv_heads * d, dtype, s.fp8, s.qkv_bias)
         self.wo = DenseLinear(self.n_heads * d, s.hidden_size, dtype, s.fp8, s.o_bias, row_ctx=ctx)
-        self.qk_norm = s.qk_norm
+        self.qk_norm, self.interleaved = s.qk_norm, s.rope_interleaved
         if s.qk_norm == "head":
             self.q_norm = RMSNorm(d, s.norm_eps, dtype)
             self.k_norm = RMSNorm(d, s.norm_eps, dtype)
@@ -199,8 +212,11 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)  # [S, 1, rotary_dim]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.interleaved:
+            q, k = apply_rope_pairs(q, cos[:, None, :], sin[:, None, :]), apply_rope_pairs(k, cos[:, None, :], sin[:, None, :])
+        else:
+            cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)  # [S, 1, rotary_dim]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.k_cache[:bsz, start_pos:end] = k
         self.v_cache[:bsz, start_pos:end] = v
         rep = self.n_heads // self.n_kv_heads
@@ -237,8 +253,13 @@ class Decoder(nn.Module):
         self.tok_embeddings = ParallelEmbedding(ctx, s.vocab_size, s.hidden_size, dtype)
         self.layers = nn.ModuleList(Block(s, ctx, dtype, feed_forward(i)) for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.norm_eps, dtype)
+        local_vocab = ctx.split(s.vocab_size, "vocab_size")
         if not s.tie_word_embeddings:
-            self.output = Linear(s.hidden_size, ctx.split(s.vocab_size, "vocab_size"), dtype)
+            self.output = Linear(s.hidden_size, local_vocab, dtype)
+        if s.lm_head_bias:  # ERNIE's use_bias: the head has a bias even where its weight is the embedding's
+            if s.tie_word_embeddings:
+                self.output = nn.Module()
+            self.output.bias = nn.Parameter(torch.empty(local_vocab, dtype=dtype), requires_grad=False)
         self.max_seq_len = 0
 
     @property
@@ -250,7 +271,7 @@ class Decoder(nn.Module):
         device = self.tok_embeddings.weight.device
         self.max_seq_len = max_seq_len
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), torch.tensor(self.shape.inv_freq))
-        emb = torch.cat([angles, angles], dim=-1)
+        emb = angles.repeat_interleave(2, dim=-1) if self.shape.rope_interleaved else torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", (emb.cos() * self.shape.attention_scaling).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * self.shape.attention_scaling).to(device), persistent=False)
         for block in self.layers:
@@ -279,4 +300,5 @@ class Decoder(nn.Module):
         if not all_positions:
             h = h[:, -1]
         weight = self.tok_embeddings.weight if self.shape.tie_word_embeddings else self.output.dense_weight()
-        return self.ctx.all_gather_last_dim(F.linear(h, weight)).float()
+        bias = self.output.bias if self.shape.lm_head_bias else None
+        return self.ctx.all_gather_last_dim(F.linear(h, weight, bias)).float()

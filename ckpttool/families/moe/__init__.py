@@ -1,5 +1,5 @@
-"""Mixture-of-experts decoders with Llama-style attention: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5
-and MiniMax-M2. Its FAMILY row; the family's files are laid out as families/base.py describes."""
+"""Mixture-of-experts decoders with Llama-style attention: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5,
+MiniMax-M2 and ERNIE-4.5-MoE. Its FAMILY row; the family's files are laid out as families/base.py describes."""
 
 from __future__ import annotations
 
