@@ -50,8 +50,10 @@ class DecoderShape:
     fp8: bool
     clip_qkv: float | None = None
     rope_interleaved: bool = False
-    """RoPE on adjacent pairs (x0, x1), (x2, x3)... in float32 (ERNIE-4.5), not on the two halves of each head"""
+    """RoPE on adjacent pairs (x0, x1), (x2, x3)... in float32 (ERNIE-4.5, Llama-4), not on the two halves of each head"""
     lm_head_bias: bool = False
+    attention_chunks: tuple[int | None, ...] = ()
+    """per layer: attention only within aligned chunks of this many positions (Llama-4); empty: none"""
 
     @property
     def rotary_dim(self) -> int:
@@ -201,7 +203,6 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        end = start_pos + seqlen
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -213,10 +214,18 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.interleaved:
-            q, k = apply_rope_pairs(q, cos[:, None, :], sin[:, None, :]), apply_rope_pairs(k, cos[:, None, :], sin[:, None, :])
+            cos, sin = cos[:, None, :], sin[:, None, :]
+            q, k = apply_rope_pairs(q, cos, sin), apply_rope_pairs(k, cos, sin)
         else:
             cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)  # [S, 1, rotary_dim]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.attend(q, k, v, start_pos, mask)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
+               mask: torch.Tensor) -> torch.Tensor:
+        """Cache k, v [B, S, K, D] at start_pos.., attend with q [B, S, H, D] and project out."""
+        bsz, seqlen = q.shape[:2]
+        end = start_pos + seqlen
         self.k_cache[:bsz, start_pos:end] = k
         self.v_cache[:bsz, start_pos:end] = v
         rep = self.n_heads // self.n_kv_heads
@@ -229,10 +238,11 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, s: DecoderShape, ctx: ParallelContext, dtype: torch.dtype, feed_forward: nn.Module):
+    def __init__(self, s: DecoderShape, ctx: ParallelContext, dtype: torch.dtype, feed_forward: nn.Module,
+                 attention: nn.Module | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(s.hidden_size, s.norm_eps, dtype)
-        self.attention = Attention(s, ctx, dtype)
+        self.attention = Attention(s, ctx, dtype) if attention is None else attention
         self.ffn_norm = RMSNorm(s.hidden_size, s.norm_eps, dtype)
         self.feed_forward = feed_forward
 
@@ -244,14 +254,15 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Vocabulary-parallel embedding, blocks, final norm and a vocabulary-parallel output whose slices
     are all-gathered; with tied embeddings the output reuses the embedding's rows. `feed_forward(i)`
-    builds layer i's feed-forward module."""
+    builds layer i's feed-forward module, `attention(i)` (where given) its attention."""
 
     def __init__(self, s: DecoderShape, ctx: ParallelContext, dtype: torch.dtype,
-                 feed_forward: Callable[[int], nn.Module]):
+                 feed_forward: Callable[[int], nn.Module], attention: Callable[[int], nn.Module] | None = None):
         super().__init__()
         self.shape, self.ctx, self.dtype = s, ctx, dtype
         self.tok_embeddings = ParallelEmbedding(ctx, s.vocab_size, s.hidden_size, dtype)
-        self.layers = nn.ModuleList(Block(s, ctx, dtype, feed_forward(i)) for i in range(s.num_layers))
+        self.layers = nn.ModuleList(Block(s, ctx, dtype, feed_forward(i), None if attention is None else attention(i))
+                                    for i in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.norm_eps, dtype)
         local_vocab = ctx.split(s.vocab_size, "vocab_size")
         if not s.tie_word_embeddings:
@@ -288,14 +299,18 @@ class Decoder(nn.Module):
         cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
         q_pos = torch.arange(start_pos, end, device=tokens.device)[:, None]
         k_pos = torch.arange(end, device=tokens.device)[None, :]
+        kinds = list(zip(self.shape.sliding_windows, self.shape.attention_chunks or [None] * len(self.layers)))
         masks = {}
-        for window in set(self.shape.sliding_windows):
+        for window, chunk in set(kinds):
             allowed = k_pos <= q_pos
             if window is not None:
                 allowed &= q_pos - k_pos < window
-            masks[window] = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill(~allowed, float("-inf"))
-        for block, window in zip(self.layers, self.shape.sliding_windows):
-            h = block(h, start_pos, cos, sin, masks[window])
+            if chunk is not None:
+                allowed &= q_pos // chunk == k_pos // chunk
+            masks[window, chunk] = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill(
+                ~allowed, float("-inf"))
+        for block, kind in zip(self.layers, kinds):
+            h = block(h, start_pos, cos, sin, masks[kind])
         h = self.norm(h)
         if not all_positions:
             h = h[:, -1]
