@@ -28,6 +28,10 @@ class HeadSplit:
     dim: int
     count: str
     replicate: bool = False
+    width: str | None = None
+    """where one table row serves layers with different head counts (MiMo's sliding layers have twice the KV
+    heads): the heads are counted from the tensor, its size along `dim` over this config field (one head's
+    width); `count` then names the usual count in messages"""
 
     def ranges(self, size: int, heads: int, mp: int) -> list[tuple[int, int]] | str:
         """(start, length) along `dim` per rank, or why no such cut exists."""
@@ -45,7 +49,9 @@ class HeadSplit:
     def rank_ranges(self, weight_shape: tuple[int, ...], cfg, mp: int, *, tensor: str | None = None,
                     file=None) -> list[tuple[int, int]]:
         """(start, length) along `dim` of each rank's share of a weight (or bias) of a parsed config."""
-        ranges = self.ranges(weight_shape[self.dim], getattr(cfg, self.count), mp)
+        size = weight_shape[self.dim]
+        heads = size // getattr(cfg, self.width) if self.width else getattr(cfg, self.count)
+        ranges = self.ranges(size, heads, mp)
         if isinstance(ranges, str):
             raise PlanError(ranges, file=file, tensor=tensor, fix=f"choose an --mp that fits {self.count}")
         return ranges

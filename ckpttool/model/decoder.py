@@ -190,6 +190,7 @@ class Attention(nn.Module):
         self.wv = DenseLinear(s.hidden_size, self.n_kv_heads * d, dtype, s.fp8, s.qkv_bias)
         self.wo = DenseLinear(self.n_heads * d, s.hidden_size, dtype, s.fp8, s.o_bias, row_ctx=ctx)
         self.qk_norm, self.interleaved = s.qk_norm, s.rope_interleaved
+        self.register_parameter("sinks", None)  # a family's attention may give each local head a sink logit
         if s.qk_norm == "head":
             self.q_norm = RMSNorm(d, s.norm_eps, dtype)
             self.k_norm = RMSNorm(d, s.norm_eps, dtype)
@@ -232,7 +233,11 @@ class Attention(nn.Module):
         keys = self.k_cache[:bsz, :end].repeat_interleave(rep, dim=2)  # [B, T, H, D]
         values = self.v_cache[:bsz, :end].repeat_interleave(rep, dim=2)
         scores = torch.einsum("bshd,bthd->bhst", q, keys) * self.scale + mask  # [B, H, S, T]
-        probs = scores.float().softmax(dim=-1).to(q.dtype)
+        if self.sinks is not None:  # one more logit per head that takes probability and is dropped (MiMo)
+            sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(bsz, -1, seqlen, 1)
+            probs = torch.cat([scores, sink], dim=-1).float().softmax(dim=-1)[..., :-1].to(q.dtype)
+        else:
+            probs = scores.float().softmax(dim=-1).to(q.dtype)
         out = torch.einsum("bhst,bthd->bshd", probs, values)
         return self.wo(out.reshape(bsz, seqlen, -1))
 
