@@ -28,4 +28,7 @@ FAMILY = Family(
     mtp_config_key="num_nextn_predict_layers",
     explicit_config=spec.explicit_config,
     quantize=True,
+    refused_types={"longcat_flash": "LongCat-Flash's layers (two MLA attention sublayers with LoRA scaling, two MLPs "
+                                    "and a shortcut MoE whose router also picks zero (identity) experts) are not "
+                                    "implemented by ckpttool's MoE model"},
 )
