@@ -18,6 +18,14 @@ def _escape(c: str) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
+def did_you_mean(word: str, choices) -> str:
+    """` (did you mean X?)` for the closest of `choices` to a mistyped `word`, or ''."""
+    import difflib
+
+    close = difflib.get_close_matches(word, [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class CkptError(Exception):
     """A failure the user can act on; the CLI prints it without a traceback and exits non-zero."""
 

@@ -100,10 +100,16 @@ def load_repo(repo_id: str, root: Path, *, revisions: tuple[str, ...] = ("main",
 
 
 class HubServer:
-    """`with HubServer([repo]) as hub:` serves on hub.url until the block ends."""
+    """`with HubServer([repo]) as hub:` serves on hub.url until the block ends. Several Repos of one repo_id
+    are commits of that repo, each answering to its own revisions (load_repo's `revisions`); the first one's
+    token guards them all."""
 
     def __init__(self, repos: list[Repo]):
-        self.repos = {r.repo_id: r for r in repos}
+        self.repos: dict[str, Repo] = {}
+        self.commits: dict[str, list[Repo]] = {}
+        for r in repos:
+            self.repos.setdefault(r.repo_id, r)
+            self.commits.setdefault(r.repo_id, []).append(r)
         self.log: list[Request] = []
         self.unknown: list[str] = []
         self.stalled = threading.Event()  # set when a stalled transfer reaches its offset
@@ -259,7 +265,8 @@ class _Handler(BaseHTTPRequestHandler):
         if repo is None or (repo.token and self.headers.get("Authorization") != f"Bearer {repo.token}"):
             self._error(401, "RepoNotFound", "Repository not found")  # the hub's answer for missing and private
             return None
-        if revision not in repo.revisions and revision != repo.commit:
+        repo = next((r for r in self.hub.commits[repo_id] if revision in r.revisions or revision == r.commit), None)
+        if repo is None:
             self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
             return None
         return repo

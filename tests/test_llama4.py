@@ -141,3 +141,10 @@ def test_a_config_counting_a_trillion_layers_is_refused_without_expanding_it(lla
     (tmp_path / "huge" / "config.json").write_text(json.dumps(raw))
     proc = run_cli("plan", tmp_path / "huge", "--mp", 2, check=False)
     assert proc.returncode != 0 and "num_hidden_layers = 1000000000000 cannot describe" in proc.stderr
+
+
+def test_index_total_parameters_is_what_transformers_counts(llama4, tmp_path):
+    run_cli("shard", llama4[0], tmp_path / "mp", "--mp", 2, "--quiet")
+    run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--max-shard-size", "40KB", "--quiet")
+    ours = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["metadata"]
+    assert ours["total_parameters"] == transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").num_parameters()

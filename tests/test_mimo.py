@@ -136,3 +136,11 @@ def test_quantize_takes_the_linear_projections_of_its_table(mimo):
     assert {f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(8)} <= quantized
     assert {"model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.gate_proj.weight"} <= quantized
     assert not {n for n in quantized if "sink" in n or "gate.weight" in n or "norm" in n or "embed" in n}
+
+
+def test_index_total_parameters_is_what_transformers_counts(mimo, tmp_path):
+    """The router's correction bias is a buffer in transformers' MiMo: merge's index leaves it out."""
+    run_cli("shard", mimo[0], tmp_path / "mp", "--mp", 2, "--quiet")
+    run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--max-shard-size", "40KB", "--quiet")
+    ours = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["metadata"]
+    assert ours["total_parameters"] == transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").num_parameters()

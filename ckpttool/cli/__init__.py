@@ -111,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     except USAGE_ERRORS as exc:
         ctx = getattr(exc, "ctx", None)
         where = ctx.command_path if ctx is not None else "ckpttool"
-        print(f"error: {printable(exc.format_message())}\n  fix: see `{where} --help`", file=sys.stderr)
-        code = exc.exit_code
+        bare = type(exc).__name__ == "NoArgsIsHelpError"  # bare `ckpttool`: the help, already printed, is the answer
+        if not bare:
+            print(f"error: {printable(exc.format_message())}\n  fix: see `{where} --help`", file=sys.stderr)
+        code = 0 if bare else exc.exit_code
     except (*ABORTS, KeyboardInterrupt, Stopped) as exc:
         if debug:
             raise

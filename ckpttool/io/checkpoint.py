@@ -23,7 +23,7 @@ import numpy as np
 from ckpttool.dtypes import itemsize
 from ckpttool.errors import InputError
 from ckpttool.io import mapped
-from ckpttool.io.layout import INDEX_NAME
+from ckpttool.io.layout import INDEX_NAME, MP_FILE
 from ckpttool.io.safetensors import (
     SafetensorsFile,
     TensorInfo,
@@ -275,6 +275,10 @@ class Checkpoint(ShardFiles):
         if not names:
             raise InputError("no *.safetensors files and no index", file=self.root,
                              fix="point at the directory that holds the model's safetensors shards")
+        if all(MP_FILE.fullmatch(n) for n in names):  # ranks of one model, whose names repeat across files
+            raise InputError(f"this is ckpttool's model-parallel output ({', '.join(names[:2])}, ...), not an HF "
+                             f"checkpoint", file=self.root, fix=f"merge it back first: ckpttool merge {self.root} "
+                             f"HF_DIR, then convert HF_DIR (it loads as it is with ckpttool verify {self.root})")
         for fname in names:
             self._add_file(fname)
 

@@ -86,7 +86,7 @@ def plan_merge(shards: ShardFiles, *, max_shard_bytes: int) -> Plan:
     copies = sorted(set(files_to_copy(src)) | {"config.json"})
     notes = [f"merged {mp} ranks into {len(tensors)} HF tensors", *shards.notes]
     return Plan(src=str(src), files=files, inputs=input_fingerprints(shards), format="hf",
-                index=hf_index(files) if len(files) > 1 else None, config=None, copies=copies, notes=notes)
+                index=hf_index(files, family.buffers) if len(files) > 1 else None, config=None, copies=copies, notes=notes)
 
 
 def _merged_tensor(hf: str, found: list[tuple[int, str]], mapped, headers: list[SafetensorsFile],

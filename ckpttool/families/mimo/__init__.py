@@ -28,4 +28,5 @@ FAMILY = Family(
     verifier=_verifier,
     explicit_config=spec.explicit_config,
     quantize=True,
+    buffers=("e_score_correction_bias",),  # a registered buffer in its DeepSeek-V3 router
 )
