@@ -28,6 +28,10 @@ class HeadSplit:
     dim: int
     count: str
     replicate: bool = False
+    width: str | None = None
+    """where one table row serves layers with different head counts (MiMo's sliding layers have twice the KV
+    heads): the heads are counted from the tensor, its size along `dim` over this config field (one head's
+    width); `count` then names the usual count in messages"""
 
     def ranges(self, size: int, heads: int, mp: int) -> list[tuple[int, int]] | str:
         """(start, length) along `dim` per rank, or why no such cut exists."""
@@ -45,7 +49,9 @@ class HeadSplit:
     def rank_ranges(self, weight_shape: tuple[int, ...], cfg, mp: int, *, tensor: str | None = None,
                     file=None) -> list[tuple[int, int]]:
         """(start, length) along `dim` of each rank's share of a weight (or bias) of a parsed config."""
-        ranges = self.ranges(weight_shape[self.dim], getattr(cfg, self.count), mp)
+        size = weight_shape[self.dim]
+        heads = size // getattr(cfg, self.width) if self.width else getattr(cfg, self.count)
+        ranges = self.ranges(size, heads, mp)
         if isinstance(ranges, str):
             raise PlanError(ranges, file=file, tensor=tensor, fix=f"choose an --mp that fits {self.count}")
         return ranges
@@ -340,9 +346,20 @@ _STACKED_LEAVES = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}  # the na
 
 
 def unstack_experts(ckpt, keys: KeyMap, n_experts: int) -> int:
-    """Read stacked expert tensors as the per-expert weights of a key table (each part is a
-    contiguous byte range of the stack, so nothing is copied); returns how many were split. A table
-    that names the stacked tensors itself (gpt-oss) keeps them."""
+    """Read a checkpoint in transformers 5's own spelling as the key table's: stacked expert tensors
+    as the table's per-expert weights (each part is a contiguous byte range of the stack, so nothing
+    is copied), and each name the table lists as an alias as the row's name. Returns how many stacks
+    were split. A table that names the stacked tensors itself (gpt-oss) keeps them."""
+    for name in sorted(ckpt.tensors):
+        canonical = keys.canonical(name)
+        if canonical is None:
+            continue
+        src = ckpt.tensors[name]
+        if canonical in ckpt.tensors:
+            raise InputError(f"checkpoint holds both {canonical!r} and {name!r}, two spellings of one tensor",
+                             file=ckpt.root / src.file, tensor=name,
+                             fix="the checkpoint mixes transformers' own names and the published ones; re-download it")
+        ckpt.split(name, [(canonical, src.info.shape)])
     per_expert = {r.native.split(".")[-2]: r.hf for r in keys.rows if r.split == EXPERT and r.companion is None}
     split = 0
     for name in sorted(ckpt.tensors):

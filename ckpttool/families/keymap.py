@@ -12,6 +12,11 @@ Two columns beyond the names:
 Every `*.weight` row implies one row per scale companion of the format table (formats.COMPANIONS:
 `X.weight_scale_inv` <-> `Y.scale`), with the weight's split; `Mapped.companion` says which. A table whose
 checkpoints name a weight's scale otherwise says so with `hf_scale_leaf` (DeepSeek-V4: `X.scale`).
+
+A table may also list aliases: another HF spelling of one of its rows that some checkpoints use (what
+transformers 5's save_pretrained writes with save_original_format=False: Mixtral's router at `mlp.gate`
+where the published checkpoints say `block_sparse_moe.gate`). Aliases are read as the row's HF name
+(`canonical`); outputs and merge always write the row's own.
 """
 
 from __future__ import annotations
@@ -70,9 +75,11 @@ class Mapped:
 
 
 class KeyMap:
-    def __init__(self, rows: list[tuple], *, hf_scale_leaf: str | None = None):
+    def __init__(self, rows: list[tuple], *, hf_scale_leaf: str | None = None,
+                 aliases: tuple[tuple[str, str], ...] = ()):
         """`hf_scale_leaf`: the leaf these checkpoints give every weight's scale (`X.<leaf>`), where it is
-        not the format table's own (DeepSeek-V4 names it `X.scale` where V3 says `X.weight_scale_inv`)."""
+        not the format table's own (DeepSeek-V4 names it `X.scale` where V3 says `X.weight_scale_inv`).
+        `aliases`: (another spelling, a row's HF template) pairs (see the module docstring)."""
         companions = COMPANIONS if hf_scale_leaf is None else tuple(replace(c, hf_leaf=hf_scale_leaf)
                                                                     for c in COMPANIONS)
         self.rows = [KeyRow(*r) for r in rows]
@@ -87,12 +94,28 @@ class KeyMap:
         for r in self.rows:
             if set(_PLACEHOLDER.findall(r.hf)) != set(_PLACEHOLDER.findall(r.native)):
                 raise ValueError(f"row {r.hf} -> {r.native} changes placeholders")
+        self._aliases: dict[str, tuple[str, str]] = {}
+        for alias, hf in aliases:
+            row = self._by_hf.get(_shape_key(hf))
+            if row is None or row.hf != hf or _shape_key(alias) in self._by_hf:
+                raise ValueError(f"alias {alias} -> {hf} is not another spelling of one row")
+            if _PLACEHOLDER.findall(alias) != _PLACEHOLDER.findall(hf):
+                raise ValueError(f"alias {alias} -> {hf} changes placeholders")
+            self._aliases[_shape_key(alias)] = (alias, hf)
 
     def to_native(self, hf_name: str) -> Mapped | None:
         return self._translate(hf_name, self._by_hf, forward=True)
 
     def to_hf(self, native_name: str) -> Mapped | None:
         return self._translate(native_name, self._by_native, forward=False)
+
+    def canonical(self, hf_name: str) -> str | None:
+        """The row's HF name of a tensor spelled as one of the table's aliases (None: not an alias)."""
+        entry = self._aliases.get(_shape_key(hf_name))
+        if entry is None:
+            return None
+        alias, hf = entry
+        return hf.format(**dict(zip(_PLACEHOLDER.findall(alias), _numbers(hf_name))))
 
     def is_linear(self, hf_name: str) -> bool:
         row = self._by_hf.get(_shape_key(hf_name))

@@ -12,9 +12,11 @@ from ckpttool.families.deepseek import FAMILY as DEEPSEEK
 from ckpttool.families.deepseek_v4 import FAMILY as DEEPSEEK_V4
 from ckpttool.families.dense import FAMILY as DENSE
 from ckpttool.families.gpt_oss import FAMILY as GPT_OSS
+from ckpttool.families.llama4 import FAMILY as LLAMA4
+from ckpttool.families.mimo import FAMILY as MIMO
 from ckpttool.families.moe import FAMILY as MOE
 
-FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GPT_OSS, MOE)
+FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GPT_OSS, LLAMA4, MIMO, MOE)
 
 MODEL_TYPES: tuple[str, ...] = tuple(sorted(t for f in FAMILIES for t in f.model_types))
 """every config.json model_type ckpttool reads"""
