@@ -1,4 +1,5 @@
-"""DeepSeek V2 / V2-Lite / V3 / R1 and Kimi-K2 (MLA attention, routed + shared experts, MTP layers). Its FAMILY row; the
+"""The MLA family: DeepSeek V2 / V2-Lite / V3 / R1 / V3.2, Kimi-K2, GLM-5 (glm_moe_dsa) and Mistral 4 (MLA
+attention, routed + shared experts, MTP layers), each model type a row of types.py. Its FAMILY row; the
 family's files are laid out as families/base.py describes."""
 
 from __future__ import annotations
