@@ -27,6 +27,9 @@ LINEAR = True
 """fourth column of a key-table row: a linear projection weight (see the module docstring)"""
 EXPERT = "expert"
 """split of a routed expert's tensors: whole, on the rank that owns the expert's contiguous range"""
+RANK0 = "rank 0"
+"""split of a part a table passes through (a multimodal wrapper's vision tower and projector): whole, on
+rank 0 only, under its HF name"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +73,13 @@ class Mapped:
 
 
 class KeyMap:
-    def __init__(self, rows: list[tuple], *, hf_scale_leaf: str | None = None):
+    def __init__(self, rows: list[tuple], *, hf_scale_leaf: str | None = None, passthrough: tuple[str, ...] = ()):
         """`hf_scale_leaf`: the leaf these checkpoints give every weight's scale (`X.<leaf>`), where it is
-        not the format table's own (DeepSeek-V4 names it `X.scale` where V3 says `X.weight_scale_inv`)."""
+        not the format table's own (DeepSeek-V4 names it `X.scale` where V3 says `X.weight_scale_inv`).
+        `passthrough`: name prefixes of parts carried unchanged (RANK0), e.g. a wrapper's vision tower."""
         companions = COMPANIONS if hf_scale_leaf is None else tuple(replace(c, hf_leaf=hf_scale_leaf)
                                                                     for c in COMPANIONS)
+        self._hf_scale_leaf, self.passthrough = hf_scale_leaf, tuple(passthrough)
         self.rows = [KeyRow(*r) for r in rows]
         for r in list(self.rows):
             if r.hf.endswith(".weight") and r.native.endswith(".weight"):
@@ -89,14 +94,29 @@ class KeyMap:
                 raise ValueError(f"row {r.hf} -> {r.native} changes placeholders")
 
     def to_native(self, hf_name: str) -> Mapped | None:
-        return self._translate(hf_name, self._by_hf, forward=True)
+        return self._passed(hf_name) or self._translate(hf_name, self._by_hf, forward=True)
 
     def to_hf(self, native_name: str) -> Mapped | None:
-        return self._translate(native_name, self._by_native, forward=False)
+        return self._passed(native_name) or self._translate(native_name, self._by_native, forward=False)
 
     def is_linear(self, hf_name: str) -> bool:
         row = self._by_hf.get(_shape_key(hf_name))
         return row is not None and row.linear
+
+    def passes_through(self, name: str) -> bool:
+        """A name under one of the `passthrough` prefixes: carried unchanged, whole, on rank 0."""
+        return any(name.startswith(p) for p in self.passthrough)
+
+    def renamed(self, hf_name, passthrough: tuple[str, ...] = ()) -> "KeyMap":
+        """This table with every HF template renamed by `hf_name` (str -> str: a wrapper's prefix on its text
+        tower; the native side is unchanged), the same scale leaf, and `passthrough` prefixes of its own."""
+        rows = [(hf_name(r.hf), r.native, r.split, r.linear) for r in self.rows if r.companion is None]
+        return KeyMap(rows, hf_scale_leaf=self._hf_scale_leaf, passthrough=passthrough)
+
+    def _passed(self, name: str) -> Mapped | None:
+        if not self.passes_through(name):
+            return None
+        return Mapped(name, RANK0, {}, KeyRow(name, name, RANK0))
 
     @staticmethod
     def _translate(name: str, table: dict[str, KeyRow], *, forward: bool) -> Mapped | None:

@@ -13,8 +13,19 @@ from ckpttool.families.deepseek_v4 import FAMILY as DEEPSEEK_V4
 from ckpttool.families.dense import FAMILY as DENSE
 from ckpttool.families.gpt_oss import FAMILY as GPT_OSS
 from ckpttool.families.moe import FAMILY as MOE
+from ckpttool.families.multimodal import WRAPPERS, wrapped
 
-FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GPT_OSS, MOE)
+TEXT_FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GPT_OSS, MOE)
+
+
+def _text_family(model_types: tuple[str, ...]) -> Family:
+    """The one family that reads every text model_type a wrapper may hold."""
+    (family,) = {f.name: f for f in TEXT_FAMILIES if set(model_types) <= set(f.model_types)}.values()
+    return family
+
+
+FAMILIES: tuple[Family, ...] = (*TEXT_FAMILIES, *(wrapped(w, _text_family(w.text_types)) for w in WRAPPERS))
+"""every family: the text families, and each multimodal wrapper (families/multimodal.py) over its text tower's"""
 
 MODEL_TYPES: tuple[str, ...] = tuple(sorted(t for f in FAMILIES for t in f.model_types))
 """every config.json model_type ckpttool reads"""
