@@ -67,17 +67,20 @@ PROVEN: tuple[Proven, ...] = (
     Proven("Kimi-K2 (`kimi_k2`)", ("kimi_k2",), "yes", "2", "", "mp 2 (as transformers' DeepseekV3)",
            "V3 routing without `topk_method` in config.json",
            ("test_config_reading.py::test_kimi_k2_is_the_v3_architecture_verified",)),
-    Proven("Kimi-K2.5 / K2.6 (`kimi_k25`): DeepSeek-V3 text tower, vision tower and projector passed through",
-           ("kimi_k25",), "yes; vision tower and projector unchanged", "1, 2, 4 (vision tower and projector whole "
+    Proven("Kimi-K2.5 / K2.6 (`kimi_k25`): DeepSeek-V3 text tower, vision tower and projector passed through; "
+           "BF16, and as published: routed experts INT4 compressed-tensors (groups of 32)",
+           ("kimi_k25",), "yes; vision tower and projector unchanged; INT4 equal to compressed-tensors' own "
+           "decompression", "1, 2, 4 (vision tower and projector whole "
            "on rank 0)", "byte for byte (the hub's and save_pretrained's names; transformers' own: experts one by "
-           "one)", "mp 1, 2 (as transformers' Kimi_K25ForConditionalGeneration)",
+           "one)", "mp 1, 2 (as transformers' Kimi_K25ForConditionalGeneration); INT4 at mp 2 against the decompressed form",
            "text tower as `language_model.model.*` (the hub's), `model.language_model.*` (transformers') or "
            "`language_model.model.blocks.*` (transformers 5.24's save_pretrained): all shard alike; verify skips "
            "rank 0's vision tower (said so) and checks its bytes against the reference",
            ("test_multimodal.py::test_text_tower_verifies_against_transformers_kimi_k25",
             "test_multimodal.py::test_every_spelling_shards_to_the_same_text_tower_and_rank0_carries_the_rest",
             "test_multimodal.py::test_merge_gives_each_spelling_back",
-            "test_multimodal.py::test_verify_compares_rank0s_vision_tower_with_the_reference")),
+            "test_multimodal.py::test_verify_compares_rank0s_vision_tower_with_the_reference",
+            "test_multimodal.py::test_published_int4_form_converts_to_what_the_librarys_decompression_gives_and_verifies")),
     Proven("DeepSeek-V2 / V2-Lite (`deepseek_v2`)", ("deepseek_v2",), "yes", "1, 2, 4", "tensor for tensor",
            "mp 1, 2, 4", "",
            ("test_convert.py::test_shard_bf16_v2_lite_equals_reference",

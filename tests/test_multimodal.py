@@ -163,3 +163,44 @@ def test_plan_says_what_passes_through_and_refuses_mp8(kimi, tmp_path):
     assert described["model_type"] == "kimi_k25"
     proc = run_cli("shard", kimi["hub"], tmp_path / "out", "--mp", 8, "--quiet", check=False)
     assert proc.returncode != 0 and "num_attention_heads (4) is not divisible by mp=8" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def kimi_int4(kimi, tmp_path_factory) -> dict[str, Path]:
+    """Kimi-K2.5 as published: BF16, its routed experts INT4 compressed-tensors pack-quantized in groups of 32
+    (quantized by compressed-tensors itself, tests/quant_builders.py), beside the same checkpoint with those
+    experts as the library decompresses them."""
+    from quant_builders import EXPERTS, load_all, oracle_weights, quantize_checkpoint, write_like
+
+    root = tmp_path_factory.mktemp("kimi-int4")
+    bf16 = root / "bf16"
+    bf16.mkdir()
+    tensors = {n: t if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+               for n, t in load_file(str(kimi["hub"] / "model.safetensors")).items()}
+    save_file(tensors, str(bf16 / "model.safetensors"), metadata={"format": "pt"})
+    (bf16 / "config.json").write_text(json.dumps({**config_of(kimi["hub"]), "dtype": "bfloat16"}))
+    quantized = quantize_checkpoint(bf16, root / "int4", "ct_int4", EXPERTS)
+    assert len(quantized) == 12  # 4 experts x gate, up, down
+    tensors, file_of = load_all(bf16)
+    tensors.update(oracle_weights(root / "int4", "ct_int4", quantized))
+    write_like(bf16, root / "decompressed", tensors, file_of)
+    return {"int4": root / "int4", "decompressed": root / "decompressed", "experts": quantized}
+
+
+def test_published_int4_form_converts_to_what_the_librarys_decompression_gives_and_verifies(kimi_int4, tmp_path):
+    for form in ("int4", "decompressed"):
+        run_cli("convert", kimi_int4[form], tmp_path / form, "--mp", 2, "--quiet")
+    ours, theirs = load_dir(tmp_path / "int4"), load_dir(tmp_path / "decompressed")
+    assert ours.keys() == theirs.keys()
+    for rank, tensors in ours.items():
+        assert tensors.keys() == theirs[rank].keys()
+        assert all(t.dtype == theirs[rank][n].dtype and torch.equal(t, theirs[rank][n]) for n, t in tensors.items())
+    assert any(n.startswith("vision_tower.") for n in ours["model0-mp2.safetensors"])
+    report = run_verify(tmp_path / "int4", reference=kimi_int4["decompressed"], prompt_ids=PROMPT,
+                        max_new_tokens=NEW_TOKENS)
+    assert report.ok, report.render("kimi_k25 int4")
+    assert "Kimi_K25ForConditionalGeneration" in report.checks["reference"].detail
+    run_cli("dequant", kimi_int4["int4"], tmp_path / "hf", "--quiet")
+    out, want = _tensors(tmp_path / "hf"), load_file(str(kimi_int4["decompressed"] / "model.safetensors"))
+    assert out.keys() == want.keys() and all(torch.equal(t, want[n]) for n, t in out.items())
+    assert "quantization_config" not in config_of(tmp_path / "hf")
