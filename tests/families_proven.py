@@ -81,6 +81,21 @@ PROVEN: tuple[Proven, ...] = (
             "test_multimodal.py::test_merge_gives_each_spelling_back",
             "test_multimodal.py::test_verify_compares_rank0s_vision_tower_with_the_reference",
             "test_multimodal.py::test_published_int4_form_converts_to_what_the_librarys_decompression_gives_and_verifies")),
+    Proven("MiniMax-M3 (`minimax_m3_vl`): its text model (`minimax_m3_vl_text`), vision tower and projector passed "
+           "through", ("minimax_m3_vl",), "yes; vision tower and projector unchanged",
+           "1, 2, 4 (MoE mp layout; vision tower and projector whole on rank 0)", "byte for byte (the whole file)",
+           "mp 1, 2 (as transformers' MiniMaxM3SparseForConditionalGeneration)",
+           "Gemma norms, per-head q/k norm, clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`) in dense, shared and routed "
+           "experts, sigmoid routing with correction bias scaled by `routed_scaling_factor`, the lightning indexer "
+           "replicated (verify runs dense attention, equal to the block-sparse one up to index_topk_blocks x "
+           "index_block_size positions; longer is refused); partial rotary from the rope parameters (transformers "
+           "5.24 ignores `rotary_dim`). Refused: transformers' own names (fused `gate_up_proj`) and the text model "
+           "alone",
+           ("test_minimax_m3.py::test_shard_then_verify_gives_transformers_greedy_tokens_minimax_m3",
+            "test_minimax_m3.py::test_shard_mp4_then_merge_is_byte_identical",
+            "test_minimax_m3.py::test_verify_refuses_what_the_indexer_would_not_keep_whole",
+            "test_minimax_m3.py::test_plan_inspect_and_refusals_say_why",
+            "test_minimax_m3.py::test_config_is_read_as_minimaxm3vltextconfig_reads_it")),
     Proven("DeepSeek-V2 / V2-Lite (`deepseek_v2`)", ("deepseek_v2",), "yes", "1, 2, 4", "tensor for tensor",
            "mp 1, 2, 4", "",
            ("test_convert.py::test_shard_bf16_v2_lite_equals_reference",

@@ -93,3 +93,30 @@ def greedy_oracle(hf_dir: Path, prompt: list[int] = PROMPT, new_tokens: int = NE
 
 def config_of(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+# MiniMax-M3 (minimax_m3_vl): GQA with KV heads replicated at mp 4, a dense layer among MoE ones, a layer with the
+# lightning indexer (blocks of 4 keys, 4 kept: 16 positions, more than the tests' 12), partial rotary, and a
+# swiglu_limit the activations reach.
+MINIMAX_TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=32, dense_intermediate_size=96,
+                    shared_intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, num_local_experts=4, num_experts_per_tok=2, routed_scaling_factor=1.5,
+                    swiglu_limit=0.6, mlp_layer_types=["dense", "sparse", "sparse"],
+                    layer_types=["full_attention", "minimax_m3_sparse", "full_attention"], index_n_heads=2,
+                    index_head_dim=8, index_block_size=4, index_topk_blocks=4, max_position_embeddings=128,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                    bos_token_id=None, eos_token_id=None)
+MINIMAX_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                      image_size=16, spatial_merge_size=2)
+
+
+def build_minimax_m3(dst: Path, *, seed: int = 0, **save) -> Path:
+    """A MiniMax-M3 (MiniMaxM3SparseForConditionalGeneration): its text model beside a vision tower and projector."""
+    from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration, MiniMaxM3VLConfig
+
+    config = MiniMaxM3VLConfig(text_config=dict(MINIMAX_TEXT), vision_config=dict(MINIMAX_VISION),
+                               projector_hidden_size=64)
+    model = MiniMaxM3SparseForConditionalGeneration(config)
+    _perturb(model, seed)
+    model.save_pretrained(dst, **save)
+    return dst

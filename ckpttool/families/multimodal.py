@@ -55,13 +55,19 @@ class Spelling:
 class Wrapper:
     model_type: str
     title: str
+    text_family: str
+    """the name of the family that reads the text tower (families/table.py pairs them)"""
     text_types: tuple[str, ...]
     """the model_types its text config may name; the first is the class's default for one that names none"""
     spellings: tuple[Spelling, ...]
     """the first is the hub's, what merge writes"""
     defaults: dict = field(default_factory=dict)
-    """the wrapper class's own defaults of the fields read here (its `tie_word_embeddings` ties the text
-    tower's head, whatever the text config says)"""
+    """the wrapper class's own defaults of the fields read here (`tie_word_embeddings`)"""
+    tie_either: bool = False
+    """the head is tied when either config says so (MiniMaxM3VLConfig); else the wrapper's field decides,
+    whatever the text config says (Kimi_K25Config)"""
+    refused: tuple[tuple[str, str], ...] = ()
+    """(name prefix, why): spellings of this wrapper's checkpoints ckpttool does not read"""
     text_config: str = "text_config"
 
 
@@ -117,8 +123,9 @@ def text_config(wrapper: Wrapper, raw: dict, source: object) -> dict:
         raise InputError(f"{wrapper.text_config}.model_type {model_type!r} is not one of "
                          f"{', '.join(wrapper.text_types)}", file=source,
                          fix=f"ckpttool reads {wrapper.title} with a text tower of those types")
+    tie = raw.get("tie_word_embeddings", wrapper.defaults.get("tie_word_embeddings", False))
     out = {**text, "model_type": model_type,
-           "tie_word_embeddings": raw.get("tie_word_embeddings", wrapper.defaults.get("tie_word_embeddings", False))}
+           "tie_word_embeddings": bool(tie or (wrapper.tie_either and text.get("tie_word_embeddings")))}
     if "quantization_config" in raw and "quantization_config" not in text:
         out["quantization_config"] = raw["quantization_config"]
     return out
@@ -171,7 +178,13 @@ _INJECTED = ("model_type", "tie_word_embeddings", "quantization_config")
 
 def spelling_of(cfg: WrappedConfig, names: Collection[str]) -> WrappedConfig:
     """The config bound to the spelling under which the most names are the text tower's or passed through
-    (the first on a tie)."""
+    (the first on a tie); a spelling the row refuses is refused, naming a tensor and why."""
+    for prefix, why in cfg.wrapper.refused:
+        if (name := next((n for n in names if n.startswith(prefix)), None)) is not None:
+            raise InputError(f"{cfg.wrapper.title} checkpoint named as {prefix}*: {why}", tensor=name,
+                             fix="convert the checkpoint as published on the hub (or as transformers' "
+                                 "save_pretrained writes it by default)")
+
     def mapped(i: int) -> int:
         keys = cfg.respelled(i).keys
         return sum(keys.to_native(n) is not None for n in names)
@@ -250,7 +263,7 @@ _TRANSFORMERS_TEXT = (("model.", "model.language_model."), ("lm_head.", "lm_head
 
 WRAPPERS: tuple[Wrapper, ...] = (
     Wrapper(
-        "kimi_k25", "Kimi-K2.5 / K2.6", text_types=("deepseek_v3", "kimi_k2"),
+        "kimi_k25", "Kimi-K2.5 / K2.6", "deepseek", text_types=("deepseek_v3", "kimi_k2"),
         spellings=(
             Spelling("the hub's", _HUB_TEXT, passthrough=("vision_tower.", "mm_projector.")),
             Spelling("transformers' (save_original_format=False)", _TRANSFORMERS_TEXT,
@@ -262,5 +275,12 @@ WRAPPERS: tuple[Wrapper, ...] = (
                      passthrough=("vision_tower.", "mm_projector.", "model.mm_projector.")),
         ),
         defaults={"tie_word_embeddings": True}),
+    Wrapper(
+        "minimax_m3_vl", "MiniMax-M3", "minimax_m3", text_types=("minimax_m3_vl_text",),
+        spellings=(Spelling("the hub's (and transformers 5.24's save_pretrained)", _HUB_TEXT,
+                            passthrough=("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")),),
+        tie_either=True,
+        refused=(("model.language_model.", "transformers' own names (save_original_format=False) fuse each MLP's "
+                                           "gate_up_proj and rename the indexer, which ckpttool does not read"),)),
 )
 """Every multimodal wrapper ckpttool reads; families/table.py pairs each with the family of its text tower."""

@@ -12,19 +12,14 @@ from ckpttool.families.deepseek import FAMILY as DEEPSEEK
 from ckpttool.families.deepseek_v4 import FAMILY as DEEPSEEK_V4
 from ckpttool.families.dense import FAMILY as DENSE
 from ckpttool.families.gpt_oss import FAMILY as GPT_OSS
+from ckpttool.families.minimax_m3 import FAMILY as MINIMAX_M3
 from ckpttool.families.moe import FAMILY as MOE
 from ckpttool.families.multimodal import WRAPPERS, wrapped
 
-TEXT_FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GPT_OSS, MOE)
+TEXT_FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GPT_OSS, MOE, MINIMAX_M3)
+_BY_NAME = {f.name: f for f in TEXT_FAMILIES}
 
-
-def _text_family(model_types: tuple[str, ...]) -> Family:
-    """The one family that reads every text model_type a wrapper may hold."""
-    (family,) = {f.name: f for f in TEXT_FAMILIES if set(model_types) <= set(f.model_types)}.values()
-    return family
-
-
-FAMILIES: tuple[Family, ...] = (*TEXT_FAMILIES, *(wrapped(w, _text_family(w.text_types)) for w in WRAPPERS))
+FAMILIES: tuple[Family, ...] = (*TEXT_FAMILIES, *(wrapped(w, _BY_NAME[w.text_family]) for w in WRAPPERS))
 """every family: the text families, and each multimodal wrapper (families/multimodal.py) over its text tower's"""
 
 MODEL_TYPES: tuple[str, ...] = tuple(sorted(t for f in FAMILIES for t in f.model_types))
