@@ -8,6 +8,14 @@ from ckpttool.families.base import Family, Verifier
 from ckpttool.families.deepseek import spec
 
 
+_LARGE4 = ("Mistral Large 4's text model is GLM-5's MLA with the DSA indexer plus what ckpttool's MLA model does "
+           "not implement yet: NoPE layers (no_rope_layers), latent KV shared across layers (kv_source_layers: "
+           "layers without kv_a_proj_with_mqa), per-head query scaling by log(position) (softmax_scaling), LeRoPE's "
+           "learned rotary frequencies (rotary_emb.alpha), final_logit_softcapping and an indexer of its own; its "
+           "published checkpoint is in Mistral's native names (tok_embeddings, layers.N.attention.wq, "
+           "vision_encoder.*), which no key table here reads")
+
+
 def _verifier() -> Verifier:
     from ckpttool.families.deepseek.weights import VERIFIER
 
@@ -28,4 +36,5 @@ FAMILY = Family(
     mtp_config_key="num_nextn_predict_layers",
     explicit_config=spec.explicit_config,
     transformers_types={"kimi_k2": "deepseek_v3"},
+    refused_types={t: _LARGE4 for t in ("mistral_large4", "mistral_large4_text")},
 )
