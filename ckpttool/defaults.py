@@ -6,7 +6,6 @@ otherwise, and `--help`, the recipe schema and the runner cannot drift apart.
 
 from __future__ import annotations
 
-import math
 import os
 
 MAX_MEMORY = "4GiB"
@@ -71,20 +70,22 @@ def layout(files: int, total_workers: int | None = None, processes: int | None =
     return processes, max(1, (total_workers or min(n, MAX_WORKERS * processes)) // processes)
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+SIZE_UNITS = "8GB and 8G are 8 x 10^9 bytes, 8GiB is 8 x 2^30 (likewise K, M, T; KiB, MiB, TiB)"
+"""what a size string means: pydantic's ByteSize (as llama.cpp's --split-max-size), said in --help and errors"""
 
 
 def parse_size(text: str | int) -> int:
-    """'4GiB', '512MB', '8G', or a plain byte count. Raises ValueError naming the text."""
+    """'4GiB', '512MB', '8G', or a plain byte count, read as pydantic's ByteSize reads it (SIZE_UNITS).
+    Raises ValueError naming the text."""
     if isinstance(text, int):
         return text
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    if unit not in _UNITS or not num:
-        raise ValueError(f"cannot read {text!r} as a size; use e.g. 4GiB, 512MiB or a byte count")
-    value = float(num) * _UNITS[unit]
-    if not math.isfinite(value):
-        raise ValueError(f"cannot read {text!r} as a size; use e.g. 4GiB, 512MiB or a byte count")
-    return int(value)
+    from pydantic import ByteSize, TypeAdapter, ValidationError  # the recipe schema has loaded pydantic already
+
+    try:
+        size = int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise ValueError(f"cannot read {text!r} as a size; use e.g. 4GiB, 512MiB or a byte count "
+                         f"({SIZE_UNITS})") from None
+    if size >= 1 << 63:  # no file offset or memory size is that large (ByteSize takes any integer)
+        raise ValueError(f"{text[:40]!r}{'...' if len(text) > 40 else ''} is larger than any size can be (2^63 bytes)")
+    return size

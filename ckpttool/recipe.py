@@ -19,7 +19,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ckpttool import defaults
-from ckpttool.errors import RecipeError
+from ckpttool.errors import RecipeError, did_you_mean
 from ckpttool.families.table import MODEL_TYPES
 from ckpttool.plan.build import Spec
 from ckpttool.plan.merge import MergeSpec
@@ -141,7 +141,8 @@ class Recipe(_Strict):
     @classmethod
     def _known_arch(cls, v: str) -> str:
         if v != "auto" and v not in MODEL_TYPES:
-            raise ValueError(f"unknown arch {v!r}; use auto or one of {', '.join(MODEL_TYPES)}")
+            raise ValueError(f"unknown arch {v!r}{did_you_mean(v, MODEL_TYPES)}; use auto or one of "
+                             f"{', '.join(MODEL_TYPES)}")
         return v
 
     @model_validator(mode="after")
@@ -183,7 +184,8 @@ class Recipe(_Strict):
 
 
 PRESET_FLAGS = {"stages.shard.mp": "--mp", "stages.download.max_input_files": "--max-input-files", "stages.merge.max_shard_size": "--max-shard-size",
-                "stages.verify.device": "--device", "execution.max_memory": "--max-memory",
+                "stages.verify.device": "--device", "stages.verify.prompt_ids": "--prompt-ids",
+                "stages.verify.prompt": "--prompt", "execution.max_memory": "--max-memory",
                 "execution.workers": "--workers", "execution.processes": "--processes", "execution.device": "--device"}
 """the recipe keys command flags set (preset), for errors worded as the flags the user typed"""
 
@@ -194,7 +196,7 @@ INPUT = "input"
 
 def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp: bool | None = None,
            merge_max_shard_size: str | None = None, verify_device: str | None = None,
-           max_memory: str | None = None, workers: int | None = None, processes: int | None = None,
+           verify_prompt: str | None = None, verify_prompt_ids: list[int] | None = None, max_memory: str | None = None, workers: int | None = None, processes: int | None = None,
            device: str = defaults.DEVICE, max_input_files: int | None = None) -> Recipe:
     """The recipe a command's flags stand for (`ckpttool convert --mp 8` is a dequant + shard recipe)."""
     stages: list[dict] = []
@@ -209,7 +211,8 @@ def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp:
     if not any(kind in s for s in stages for kind in ("merge", "dequant", "shard")):
         stages.append({"dequant": {"dtype": "bf16"}})
     if verify_device is not None:  # a command's --verify compares with the input it converted, where it fits
-        stages.append({"verify": {"device": verify_device, "reference": INPUT}})
+        verify = {"device": verify_device, "reference": INPUT, "prompt": verify_prompt, "prompt_ids": verify_prompt_ids}
+        stages.append({"verify": {k: v for k, v in verify.items() if v is not None}})
     execution: dict = {"device": device}
     if workers is not None:
         execution["workers"] = workers
@@ -238,8 +241,8 @@ def find_recipe(arg: str | Path) -> Path:
     name = path.name.removesuffix(".yaml")
     if path.parent == Path(".") and name in bundled_recipes():
         return BUNDLED / f"{name}.yaml"
-    raise RecipeError("no such recipe file, and no bundled recipe of that name", file=path,
-                      fix=f"pass a YAML file, or a bundled recipe by name: {', '.join(bundled_recipes())}")
+    raise RecipeError(f"no such recipe file, and no bundled recipe of that name{did_you_mean(name, bundled_recipes())}",
+                      file=path, fix=f"pass a YAML file, or a bundled recipe by name: {', '.join(bundled_recipes())}")
 
 
 def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
@@ -262,28 +265,34 @@ def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
                           fix="a recipe is a mapping of name, stages and execution; see recipes/") from None
     if not isinstance(data, dict):
         raise RecipeError("a recipe is a YAML mapping with name and stages", file=path)
-    for item in overrides:
-        apply_override(data, item, path)
-    return validate_recipe(data, path, text)
+    overridden = {apply_override(data, item, path): item for item in overrides}
+    return validate_recipe(data, path, text, overrides=overridden)
 
 
 def validate_recipe(data: dict, source: object = "<recipe>", text: str | None = None,
-                    flags: dict[str, str] | None = None) -> Recipe:
-    """The Recipe, or a RecipeError naming the key path and line. An unknown key is reported before
-    what its absence leaves missing (`mpp:` is the typo, not `mp: Field required`). `flags` maps
-    key paths to the command-line flags that set them, so a preset's errors name the flag."""
+                    flags: dict[str, str] | None = None, overrides: dict[tuple, str] | None = None) -> Recipe:
+    """The Recipe, or a RecipeError naming the key path and line, or the `--set` that put it there
+    (`overrides`: key path -> the --set item). An unknown key is reported before what its absence leaves
+    missing (`mpp:` is the typo, not `mp: Field required`), with the nearest allowed key and the list of
+    them. `flags` maps key paths to the command-line flags that set them, so a preset's errors name the flag."""
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
         err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] == "extra_forbidden":
+            allowed = _allowed_keys(err["loc"][:-1])
+            msg += f"{did_you_mean(str(err['loc'][-1]), allowed)}; allowed: {', '.join(allowed)}"
         loc = ".".join(str(p) for p in err["loc"])
         key = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
         for path, flag in (flags or {}).items():
             if key == path or key.startswith(path + "."):
                 raise RecipeError(f"{source}: {flag}: {msg.removeprefix('Value error, ')}",
                                   fix=f"see `{source} --help` for {flag}") from None
+        for path, item in (overrides or {}).items():
+            if tuple(err["loc"][:len(path)]) == path:
+                raise RecipeError(f"--set {item}: {loc}: {msg}", fix=_fix_for(err)) from None
         line = _line_of(text, err["loc"]) if text else None
         where = f"{source}" + (f":{line}" if line else "")
         raise RecipeError(f"{where}: {loc or '(top level)'}: {msg}", fix=_fix_for(err)) from None
@@ -295,8 +304,31 @@ def _fix_for(err: dict) -> str:
     return "see README 'Recipe reference'"
 
 
+def _allowed_keys(loc: tuple) -> list[str]:
+    """The keys the schema allows at a pydantic location (the model there: a stage, execution, ...)."""
+    model = Recipe
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        model = _model_in(field.annotation) if field is not None else None
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation (Optional[X], list[X], X)."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for a in typing.get_args(annotation) if (m := _model_in(a)) is not None), None)
+
+
 def _line_of(text: str, loc: tuple) -> int | None:
-    """Line number (1-based) of the YAML node at a pydantic error location, for messages."""
+    """Line number (1-based) of the YAML node at a pydantic error location, for messages; for a key the
+    file does not have (a typo's own line is found), its parent's."""
     import yaml
 
     try:
@@ -318,8 +350,9 @@ def _line_of(text: str, loc: tuple) -> int | None:
     return line
 
 
-def apply_override(data: dict, item: str, source: object = "--set") -> None:
-    """`key=value`, `execution.workers=8`, or a stage by name: `shard.mp=4`. Values are YAML."""
+def apply_override(data: dict, item: str, source: object = "--set") -> tuple:
+    """`key=value`, `execution.workers=8`, or a stage by name: `shard.mp=4`. Values are YAML. Returns the
+    key path it set, as pydantic names locations (`("stages", 1, "shard", "mp")`)."""
     if "=" not in item:
         raise RecipeError(f"--set {item!r} is not key=value", fix="e.g. --set shard.mp=4")
     key, raw = item.split("=", 1)
@@ -334,9 +367,9 @@ def apply_override(data: dict, item: str, source: object = "--set") -> None:
     stages = data.get("stages") if isinstance(data.get("stages"), list) else []
     stage = next((s for s in stages if isinstance(s, dict) and parts[0] in s), None)
     if stage is not None and len(parts) > 1:
-        target = stage
+        target, path = stage, ("stages", stages.index(stage), *parts)
     else:
-        target = data
+        target, path = data, tuple(parts)
     for p in parts[:-1]:
         nxt = target.get(p)
         if nxt is None:
@@ -346,3 +379,4 @@ def apply_override(data: dict, item: str, source: object = "--set") -> None:
                               fix="--set sets a key inside a mapping: e.g. --set shard.mp=4")
         target = nxt
     target[parts[-1]] = value
+    return path

@@ -1,6 +1,6 @@
 """The one entry point of every conversion command: a Request in, a report out.
 
-    SRC or repo id --(hub.py: download)--> plan/ --> execute/ --> publish/ --(verify/)--> report
+    SRC or repo id --(hub/)--> plan/ --> execute/ --> publish/ --(verify/)--> report
 
 `run(request)` owns the orchestration: the dry run (the plan and its disk and memory estimate), hub
 inputs, the conversion itself (under torchrun each rank writes its share of the files and rank 0
@@ -23,9 +23,7 @@ from ckpttool.execute.forked import ForkedRanks, layout, rank_share
 from ckpttool.execute.osutil import in_memory_fs
 from ckpttool.execute.staging import Staging
 from ckpttool.execute.tasks import make_tasks
-from ckpttool.dtypes import itemsize
-from ckpttool.io.checkpoint import Checkpoint
-from ckpttool.io.layout import PARTIAL_DIR, check_output_names
+from ckpttool.io.layout import PARTIAL_DIR, STREAM_FETCH, STREAM_INPUT, check_output_names
 from ckpttool.plan.build import Spec
 from ckpttool.plan.merge import MergeSpec
 from ckpttool.plan.types import Plan
@@ -33,16 +31,19 @@ from ckpttool.progress import Progress
 from ckpttool.publish.destination import (
     SPACE_MARGIN,
     DestinationLock,
+    allocated,
     already_complete,
     check_destination,
     check_free_space,
     check_outside,
     existing_ancestor,
     free_space,
+    snapshot,
 )
 from ckpttool.publish.publish import publish
 from ckpttool.recipe import INPUT, DownloadStage, Execution, Recipe
 from ckpttool.timing import Timings
+from ckpttool.verify.preflight import check_prompt_source, input_reference
 
 Job = Spec | MergeSpec
 
@@ -78,6 +79,12 @@ class Request:
     resume: bool = False
     dry_run: bool = False
     quiet: bool = False  # no progress output (a report is still returned)
+    revision: str | None = None  # a repo id's branch, tag or commit (--revision); over the recipe's download.revision
+    token: str | None = None  # the hub token (--token); never in a recipe, a plan or a report
+
+
+NUMPY_LOOPS = ("dequantized on the CPU by numpy's loops, about 3x slower than compiled ones: no C compiler was "
+               "found at install and numba is not in use (install gcc and reinstall, or pip install 'ckpttool[fast]')")
 
 
 @dataclass
@@ -91,6 +98,13 @@ class RunResult:
     timings: Timings | None = None
     download: dict | None = None  # converting from a repo id: what was fetched, how fast, the peak disk
     processes: int = 1  # forked processes that shared the output files (defaults.layout)
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the user should know about how the run went (the report prints them, --json carries them)."""
+        if self.timings is not None and self.timings.counts.get("chunks_by_cpu_loops_numpy"):
+            return [NUMPY_LOOPS]
+        return []
 
     def summary(self) -> dict:
         return {
@@ -106,6 +120,7 @@ class RunResult:
             "already_complete": self.already_complete,
             "plan_hash": self.plan.hash,
             "notes": self.plan.notes,
+            "warnings": self.warnings,
             **({"timing": self.timings.to_json()} if self.timings is not None else {}),
             **({"download": self.download} if self.download is not None else {}),
         }
@@ -138,12 +153,14 @@ def run(request: Request) -> RunReport | dict:
     (with a verify stage) verify, returning the run's report."""
     recipe = request.recipe
     job = recipe.job()
-    src = resolve_input(recipe, request.src, quiet=request.quiet, stream=isinstance(job, Spec)) \
-        if request.hub_input else Path(request.src)
+    src = resolve_input(recipe, request.src, quiet=request.quiet, stream=isinstance(job, Spec),
+                        revision=request.revision, token=request.token) if request.hub_input else Path(request.src)
     if request.dry_run:
         return plan_report(src, job, recipe, request.dst)
     if request.dst is None:
         raise RecipeError("no output given", fix="pass --output DST")
+    if (verify := recipe.stage("verify")) is not None and verify.prompt_ids is None:
+        check_prompt_source(src if isinstance(src, Path) else set(src.files))
     opts = ExecOptions.from_recipe(recipe.execution, overwrite=request.overwrite, resume=request.resume,
                                    quiet=request.quiet)
     if (dl := recipe.stage("download")) is not None:
@@ -157,7 +174,7 @@ def run(request: Request) -> RunReport | dict:
         if reference == INPUT and not isinstance(src, Path):
             reference, skipped = None, "the input was streamed from the hub and deleted as it was converted"
         elif reference == INPUT:
-            reference, skipped = _input_reference(src)
+            reference, skipped = input_reference(src)
         report.verify = run_verify(request.dst, reference=reference, prompt=verify.prompt,
                                    prompt_ids=verify.prompt_ids, max_new_tokens=verify.max_new_tokens,
                                    device=verify.device, dtype=verify.dtype, tolerance=verify.tolerance)
@@ -165,36 +182,19 @@ def run(request: Request) -> RunReport | dict:
     return report
 
 
-REFERENCE_RAM_FRACTION = 0.25
-"""verify's reference runs unsharded in float32 on one process: the input is compared only when its
-float32 size is at most this share of the machine's memory"""
-
-
-def _input_reference(src: Path) -> tuple[Path | None, str | None]:
-    """The input as verify's reference where loading it whole is safe here, else (None, why not)."""
-    with Checkpoint(src) as ckpt:
-        elements = sum(t.info.nbytes // itemsize(t.info.dtype) for t in ckpt.tensors.values())
-    need = elements * 4
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > REFERENCE_RAM_FRACTION * ram:
-        return None, (f"comparing with the input would load it whole in float32 ({need / 2**30:.1f} GiB, over "
-                      f"{REFERENCE_RAM_FRACTION:.0%} of this machine's {ram / 2**30:.0f} GiB); run "
-                      "`ckpttool verify DST --reference SRC` on a larger machine")
-    return src, None
-
-
 def reports_here() -> bool:
     """Under torchrun only rank 0 prints a report (every rank returns one)."""
     return world()[0] == 0
 
 
-def resolve_input(recipe: Recipe, src: str | Path | None, *, quiet: bool, stream: bool = False):
-    """An input that is a directory or a hub repo id, decided by what exists on disk and by the recipe.
-    A local directory is used as it is. A repo id is taken when the recipe has a download stage, or
-    when it looks like one (`namespace/name`) and nothing of that path exists locally; anything else
-    is a missing local directory, and the error says so. A repo id is streamed (`stream`: the job can
-    be; returns the hub.remote.RemoteRepo, planned from headers), or, with `download: {cache: true}`,
-    offline or for merge, downloaded into the HF cache first and converted from there in place."""
+def resolve_input(recipe: Recipe, src: str | Path | None, *, quiet: bool, stream: bool = False,
+                  revision: str | None = None, token: str | None = None):
+    """An input that is a directory or a hub repo id (`namespace/name[@revision]`), decided by what exists
+    on disk and by the recipe. A local directory is used as it is. A repo id is taken when the recipe has a
+    download stage, or when it looks like one and nothing of that path exists locally; anything else is a
+    missing local directory, and the error says so. A repo id is streamed (`stream`: the job can be;
+    returns the hub.remote.RemoteRepo, planned from headers), or, with `download: {cache: true}`, offline,
+    with the hub unreachable or for merge, read from the HF cache (downloaded first) in place."""
     if src is None:
         raise RecipeError("no input given", fix="pass --input SRC (a directory or a hub repo id)")
     text = str(src)
@@ -206,22 +206,21 @@ def resolve_input(recipe: Recipe, src: str | Path | None, *, quiet: bool, stream
                          fix="pass the checkpoint directory (the one holding config.json and *.safetensors)")
     dl = recipe.stage("download")
     path_like = text.startswith((".", "/", "~")) or local.parent.exists() and local.parent != Path(".")
-    if dl is None and (path_like or text.count("/") != 1):
+    if dl is None and (path_like or text.partition("@")[0].count("/") != 1):
         raise InputError("input directory does not exist", file=local,
                          fix="check the path; a hub repo id (namespace/name) is downloaded only when no such "
                              "local path exists or the recipe has a download stage")
-    from ckpttool import hub  # huggingface_hub loads only for hub inputs
-    from ckpttool.hub import remote
+    from ckpttool.hub import remote, source  # huggingface_hub loads only for hub inputs
 
     dl = dl or DownloadStage()
-    if stream and not dl.cache and not remote.offline():
-        if world()[1] > 1:
-            raise RecipeError("converting straight from the hub runs in one process, not under torchrun",
-                              fix="`ckpttool download` first and convert the directory, or set download.cache: true")
-        return remote.open_repo(text, revision=dl.revision, allow_patterns=dl.allow_patterns,
-                                ignore_patterns=dl.ignore_patterns)
-    kwargs = dl.model_dump(exclude={"cache", "max_input_files"})
-    return Path(hub.download_checkpoint(text, quiet=quiet, **kwargs).path)
+    repo_id, revision = source.pick_revision(text, revision, dl.revision)
+    stream = stream and not dl.cache
+    if stream and not remote.offline() and world()[1] > 1:
+        raise RecipeError("converting straight from the hub runs in one process, not under torchrun",
+                          fix="`ckpttool download` first and convert the directory, or set download.cache: true")
+    return source.open_input(repo_id, revision=revision, token=token, allow_patterns=dl.allow_patterns,
+                             ignore_patterns=dl.ignore_patterns, max_workers=dl.max_workers,
+                             verify_sha256=dl.verify_sha256, stream=stream, quiet=quiet)
 
 
 def plan_report(src, job: Job, recipe: Recipe, dst: Path | None) -> dict:
@@ -321,7 +320,7 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
                     check_free_space(dst, sum(f.size for f in plan.files) + copies + SPACE_MARGIN)
                 if not complete:
                     staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite, timings=clock,
-                                      inputs=inputs.fingerprint())
+                                      inputs=inputs.fingerprint(), dst_before=snapshot(dst))
         except CkptError as exc:
             setup_error = exc
         if group.share_outcome(setup_error, complete):
@@ -346,8 +345,10 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
             todo = sum(p.end - p.start for f in plan.files if f.name not in staging.published
                        and (counted is None or f.name in counted)
                        for p in f.tensors if (f.name, p.tensor.name) not in staging.done)
-            if group.rank == 0 and opts.resume:
-                check_free_space(dst, todo + copies + SPACE_MARGIN)
+            if group.rank == 0 and opts.resume:  # what an interrupted run wrote, journalled or not, needs no room
+                present = sum(allocated(dst / PARTIAL_DIR / d) for d in (STREAM_INPUT, STREAM_FETCH)) if streamed else 0
+                check_free_space(dst, staging.still_to_allocate() + max(0, copies - present) + SPACE_MARGIN,
+                                 what="what the interrupted run has left to write")
             label = job.label if group.world_size == 1 else f"rank {group.rank}/{group.world_size}"
             with Progress(todo, label, quiet=opts.quiet) as progress, clock.phase("execute"):
                 if streamed:

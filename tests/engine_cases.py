@@ -37,7 +37,13 @@ ENGINE_CHANGES = {
 }
 MOE = {t: {**spec, **ENGINE_CHANGES.get(t, {})} for t, spec in MOE_TINY.items()}
 
-SEEDS = {"minimax_m2": 13}  # seed 11 makes a MiniMax-M2 whose greedy ids are one token repeated: proves little
+BASE_SEEDS = {"deepseek_v3": 3, "gpt_oss": 7, "llama": 0, **{t: 11 for t in MOE},
+              "minimax_m2": 13}  # seed 11 makes a MiniMax-M2 whose greedy ids are one token repeated: proves little
+
+
+def seeds(model_type: str, n: int) -> list[int]:
+    """The weights' seeds a case is made with: an engine's claim must hold for each, not for one lucky draw."""
+    return [BASE_SEEDS[model_type] + 100 * k for k in range(n)]
 
 
 @dataclass
@@ -48,6 +54,12 @@ class Case:
     fp8: bool = False  # FP8 weights: the oracle runs transformers on their float32 dequantization
     model_type: str = ""
     stripped: list[str] = field(default_factory=list)  # config fields the input lacked
+    seed: int = 0  # of the input's weights
+
+    @property
+    def key(self) -> str:
+        """One engine job: the case made with one seed."""
+        return f"{self.name} / seed {self.seed}"
 
 
 def strip_to_what_transformers_needs(hf: Path) -> list[str]:
@@ -63,48 +75,53 @@ def strip_to_what_transformers_needs(hf: Path) -> list[str]:
     return gone
 
 
-def deepseek_v3_fp8_dequant(root: Path) -> Case:
+def deepseek_v3_fp8_dequant(root: Path, seed: int) -> Case:
     """DeepSeek-V3 as published (FP8 128x128 blocks, MTP layer, non-zero correction bias, grouped top-k) ->
     `ckpttool dequant` -> BF16 HF."""
     from ckpttool.families.deepseek.demo import build_checkpoint
 
-    src = build_checkpoint(root / "dsv3-fp8", "tiny-v3", seed=3)
+    src = build_checkpoint(root / f"dsv3-fp8-s{seed}", "tiny-v3", seed=seed)
     stripped = strip_to_what_transformers_needs(src)
-    run_cli("dequant", src, root / "dsv3-bf16", "--quiet")
-    return Case("deepseek_v3 FP8 -> BF16", "`dequant` DeepSeek-V3 FP8 -> BF16", root / "dsv3-bf16",
-                model_type="deepseek_v3", stripped=stripped)
+    run_cli("dequant", src, root / f"dsv3-bf16-s{seed}", "--quiet")
+    return Case("deepseek_v3 FP8 -> BF16", "`dequant` DeepSeek-V3 FP8 -> BF16", root / f"dsv3-bf16-s{seed}",
+                model_type="deepseek_v3", stripped=stripped, seed=seed)
 
 
-def gpt_oss_mxfp4_bf16(root: Path) -> Case:
+def gpt_oss_mxfp4_bf16(root: Path, seed: int) -> Case:
     """gpt-oss as published (MXFP4 experts, sinks, sliding window, YaRN) -> recipe gpt-oss-bf16 -> BF16 HF."""
     from ckpttool.families.gpt_oss.demo import build_gpt_oss_checkpoint
 
-    src = build_gpt_oss_checkpoint(root / "gpt-oss-mxfp4", mxfp4=True, seed=7, overrides={"head_dim": 32})
-    run_cli("run", "gpt-oss-bf16", "-i", src, "-o", root / "gpt-oss-bf16", "--quiet")
-    return Case("gpt_oss MXFP4 -> BF16", "recipe `gpt-oss-bf16` MXFP4 -> BF16", root / "gpt-oss-bf16",
-                model_type="gpt_oss")
+    src = build_gpt_oss_checkpoint(root / f"gpt-oss-mxfp4-s{seed}", mxfp4=True, seed=seed, overrides={"head_dim": 32})
+    run_cli("run", "gpt-oss-bf16", "-i", src, "-o", root / f"gpt-oss-bf16-s{seed}", "--quiet")
+    return Case("gpt_oss MXFP4 -> BF16", "recipe `gpt-oss-bf16` MXFP4 -> BF16", root / f"gpt-oss-bf16-s{seed}",
+                model_type="gpt_oss", seed=seed)
 
 
-def dense_fp8(root: Path) -> Case:
+def dense_fp8(root: Path, seed: int) -> Case:
     """A transformers-saved Llama (GQA, llama3 RoPE) -> recipe dense-fp8 -> FP8 block HF."""
     from dense_models import TINY
 
-    src = build_hf("llama", root / "llama", spec={**TINY["llama"], "hidden_size": 128})
-    run_cli("run", "dense-fp8", "-i", src, "-o", root / "llama-fp8", "--quiet")
-    return Case("llama BF16 -> FP8", "recipe `dense-fp8` BF16 -> FP8 block", root / "llama-fp8", fp8=True,
-                model_type="llama")
+    src = build_hf("llama", root / f"llama-s{seed}", seed=seed, spec={**TINY["llama"], "hidden_size": 128})
+    run_cli("run", "dense-fp8", "-i", src, "-o", root / f"llama-fp8-s{seed}", "--quiet")
+    return Case("llama BF16 -> FP8", "recipe `dense-fp8` BF16 -> FP8 block", root / f"llama-fp8-s{seed}", fp8=True,
+                model_type="llama", seed=seed)
 
 
-def moe_merged(root: Path, model_type: str) -> Case:
+def moe_merged(root: Path, model_type: str, seed: int) -> Case:
     """A transformers-saved MoE stripped of its class defaults -> `shard --mp 2` -> `merge` -> BF16 HF."""
-    src = build_hf(model_type, root / model_type, seed=SEEDS.get(model_type, 11), spec={**_MOE_BASE, **MOE[model_type]})
+    name = f"{model_type}-s{seed}"
+    src = build_hf(model_type, root / name, seed=seed, spec={**_MOE_BASE, **MOE[model_type]})
     stripped = strip_to_what_transformers_needs(src)
-    run_cli("shard", src, root / f"{model_type}-mp2", "--mp", 2, "--quiet")
-    run_cli("merge", root / f"{model_type}-mp2", root / f"{model_type}-hf", "--quiet")
-    return Case(model_type, f"{model_type}: `shard --mp 2` then `merge` -> HF", root / f"{model_type}-hf",
-                model_type=model_type, stripped=stripped)
+    run_cli("shard", src, root / f"{name}-mp2", "--mp", 2, "--quiet")
+    run_cli("merge", root / f"{name}-mp2", root / f"{name}-hf", "--quiet")
+    return Case(model_type, f"{model_type}: `shard --mp 2` then `merge` -> HF", root / f"{name}-hf",
+                model_type=model_type, stripped=stripped, seed=seed)
 
 
-def build_all(root: Path) -> list[Case]:
-    return [deepseek_v3_fp8_dequant(root), gpt_oss_mxfp4_bf16(root), dense_fp8(root),
-            *(moe_merged(root, t) for t in MOE)]
+BUILDERS = {"deepseek_v3": deepseek_v3_fp8_dequant, "gpt_oss": gpt_oss_mxfp4_bf16, "llama": dense_fp8,
+            **{t: (lambda root, seed, t=t: moe_merged(root, t, seed)) for t in MOE}}
+
+
+def build_all(root: Path, n_seeds: int) -> list[Case]:
+    """Every case, each with `n_seeds` seeds."""
+    return [BUILDERS[t](root, seed) for t in BUILDERS for seed in seeds(t, n_seeds)]

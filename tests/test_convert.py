@@ -551,8 +551,12 @@ def test_a_run_on_numpys_loops_says_so_and_how_to_get_compiled_ones(tiny_v3_no_m
     slow = run_cli_process("convert", tiny_v3_no_mtp, tmp_path / "a", "--mp", "2", "--device", "cpu",
                            env={**env, "CKPTTOOL_NATIVE": "0", "CKPTTOOL_NUMBA": "0"})
     assert slow.returncode == 0 and "numpy's loops" in slow.stdout and "install gcc" in slow.stdout, slow.stdout
+    slow_json = run_cli_process("convert", tiny_v3_no_mtp, tmp_path / "j", "--mp", "2", "--device", "cpu", "--json",
+                                env={**env, "CKPTTOOL_NATIVE": "0", "CKPTTOOL_NUMBA": "0"})
+    warnings = json.loads(slow_json.stdout)["warnings"]  # --json says it too
+    assert any("numpy's loops" in w and "install gcc" in w for w in warnings), slow_json.stdout
     fast = run_cli_process("convert", tiny_v3_no_mtp, tmp_path / "b", "--mp", "2", "--device", "cpu", "--json", env=env)
-    assert fast.returncode == 0 and "numpy's loops" not in fast.stdout, fast.stderr
+    assert fast.returncode == 0 and "numpy's loops" not in fast.stdout and json.loads(fast.stdout)["warnings"] == []
     counts = json.loads(fast.stdout)["timing"]["counts"]
     assert not counts.get("chunks_by_cpu_loops_numpy") and sum(v for k, v in counts.items() if k.startswith("chunks_by_cpu")) > 0
 

@@ -268,3 +268,14 @@ def test_check_mp_names_the_unit_it_would_cut():
     check_mp(cfg, 8)
     with pytest.raises(PlanError, match="o_groups \\(8\\) is not divisible by mp=16"):
         check_mp(cfg, 16)
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_dequant_index_counts_parameters_as_transformers_does(v4, tmp_path, spelling):
+    """`total_parameters` leaves out what transformers' DeepseekV4 holds as buffers (the router's correction
+    bias, `gate.bias` in DeepSeek's spelling, and the hash routers' `tid2eid`), in either spelling."""
+    run_cli("dequant", v4[spelling], tmp_path / "hf", "--drop-mtp", "--quiet")
+    ours = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["metadata"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert ours["total_parameters"] == model.num_parameters()
+    assert any(n.endswith("tid2eid") for n, _ in model.named_buffers())

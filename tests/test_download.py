@@ -27,7 +27,6 @@ from typer.testing import CliRunner
 from ckpttool.families.deepseek.demo import build_checkpoint
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
-from ckpttool.hub import resolve_input
 
 try:
     from hub_server import HubServer, load_repo  # pytest's default rootdir-less import puts tests/ on sys.path
@@ -470,15 +469,27 @@ def test_cli_error_exits_non_zero_without_traceback(tmp_path, monkeypatch, capsy
 
 # -- in-process: input classification and help ------------------------------------------------------------
 
-def test_resolve_input_tells_local_directories_from_repo_ids(tmp_path, monkeypatch):
+def test_inputs_tell_local_directories_from_repo_ids_and_revisions(tmp_path, monkeypatch):
+    from ckpttool.errors import CkptError
+    from ckpttool.hub.source import pick_revision, split_revision
+    from ckpttool.recipe import preset
+    from ckpttool.runner import resolve_input
+
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "local").mkdir(parents=True)
-    assert resolve_input(str(tmp_path)) == tmp_path
-    assert resolve_input("org/local") == Path("org/local")  # an existing path wins over a repo id
-    assert resolve_input("deepseek-ai/DeepSeek-V3") == "deepseek-ai/DeepSeek-V3"
-    for bad in ("./missing/dir", "missing", "/abs/missing", "a/b/c"):
-        with pytest.raises(InputError, match="neither an existing directory"):
-            resolve_input(bad)
+    recipe = preset("convert", dequant=True)
+    assert resolve_input(recipe, str(tmp_path), quiet=True) == tmp_path
+    assert resolve_input(recipe, "org/local", quiet=True) == Path("org/local")  # an existing path wins over a repo id
+    for bad in ("./missing/dir", "missing", "/abs/missing", "a/b/c", "org/local/x@v1"):
+        with pytest.raises(CkptError, match="input directory does not exist"):
+            resolve_input(recipe, bad, quiet=True)
+    assert split_revision("deepseek-ai/DeepSeek-V3") == ("deepseek-ai/DeepSeek-V3", None)
+    assert split_revision("org/m@refs/pr/3") == ("org/m", "refs/pr/3")
+    assert pick_revision("org/m@v1", None, "main") == ("org/m", "v1")
+    assert pick_revision("org/m", "v2", "main") == ("org/m", "v2") and pick_revision("org/m", None, "r") == ("org/m", "r")
+    for text, flag in (("org/m@", None), ("org/m@v1", "v2")):
+        with pytest.raises(InputError, match="revision"):
+            pick_revision(text, flag)
 
 
 def test_download_help_shows_an_example():

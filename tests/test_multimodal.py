@@ -204,3 +204,14 @@ def test_published_int4_form_converts_to_what_the_librarys_decompression_gives_a
     out, want = _tensors(tmp_path / "hf"), load_file(str(kimi_int4["decompressed"] / "model.safetensors"))
     assert out.keys() == want.keys() and all(torch.equal(t, want[n]) for n, t in out.items())
     assert "quantization_config" not in config_of(tmp_path / "hf")
+
+
+def test_merged_index_counts_parameters_as_transformers_does_vision_tower_included(kimi, tmp_path):
+    """total_parameters of a merged wrapper: every tensor, the vision tower's too, but the router's buffer."""
+    from ckpttool.verify.oracle import _auto_class
+
+    run_cli("shard", kimi["hub"], tmp_path / "mp", "--mp", 2, "--quiet")
+    run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--max-shard-size", "40KB", "--quiet")
+    ours = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["metadata"]["total_parameters"]
+    config = transformers.AutoConfig.from_pretrained(kimi["hub"])
+    assert ours == _auto_class(transformers, type(config)).from_pretrained(kimi["hub"]).num_parameters()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import REPO
 
@@ -142,6 +145,68 @@ def test_built_wheel_ships_the_bundled_recipes(tmp_path):
     assert shipped == {p.name for p in (REPO / "ckpttool" / "recipes").glob("*.yaml")} and shipped
 
 
+def test_sdist_carries_its_tests_and_their_helpers_and_they_run(tmp_path):
+    """An sdist is a source release: unpacked, its tests (conftest, hub server, model builders, engines harness
+    included) collect and run against the code beside them, and it carries the LICENSE its metadata names."""
+    import tarfile
+
+    proc = subprocess.run([sys.executable, "-c", f"from setuptools import build_meta; "
+                           f"print(build_meta.build_sdist({str(tmp_path)!r}))"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with tarfile.open(tmp_path / proc.stdout.split()[-1]) as tar:
+        tar.extractall(tmp_path / "x", filter="data")
+    tree = next((tmp_path / "x").iterdir())
+    for helper in ("conftest.py", "hub_server.py", "dense_models.py", "engine_cases.py", "quant_builders.py",
+                   "reference_pipeline.py", "engines/vllm_generate.py", "engines/llama_cpp_generate.py"):
+        assert (tree / "tests" / helper).is_file(), helper
+    assert (tree / "LICENSE").read_text().split()[:3] == ["Apache", "License", "Version"]
+    meta = (tree / "PKG-INFO").read_text()
+    assert "License-Expression: Apache-2.0" in meta and "License-File: LICENSE" in meta
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([sys.executable, "-c", "import ckpttool; print(ckpttool.__file__)"], cwd=tree, env=env,
+                           capture_output=True, text=True)
+    assert Path(where.stdout.strip()).is_relative_to(tree), where  # the unpacked code, not this checkout's
+    collected = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only"],
+                               cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    assert collected.returncode == 0 and " error" not in collected.stdout, collected.stdout[-3000:]
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layers.py",
+                          "tests/test_recipes.py", "tests/test_download.py::test_download_help_shows_an_example"],
+                         cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0 and " passed" in ran.stdout and "failed" not in ran.stdout, ran.stdout[-3000:]
+
+
+def test_a_wheel_without_the_c_loops_is_pure_correct_and_says_so(tiny_v3_no_mtp, tmp_path):
+    """CKPTTOOL_BUILD_NATIVE=0 builds the wheel that installs anywhere (py3-none-any, no compiled file): its
+    conversions are byte-identical, and a run on numpy's loops says so."""
+    import zipfile
+
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(tmp_path),
+                           str(REPO)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CKPTTOOL_BUILD_NATIVE": "0"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wheel = next(tmp_path.glob("ckpttool-*.whl"))
+    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if n.endswith((".so", ".pyd", ".dylib"))] and any(n.endswith("licenses/LICENSE") for n in names)
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "CKPTTOOL_NUMBA": "0"}
+    env.pop("CKPTTOOL_NATIVE", None)
+    code = ("import ckpttool, sys; assert ckpttool.__file__.startswith(sys.argv[1]), ckpttool.__file__; "
+            "from ckpttool.cli import main; sys.exit(main(sys.argv[2:]))")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "site"), "convert", str(tiny_v3_no_mtp),
+                          str(tmp_path / "pure"), "--mp", "2", "--device", "cpu", "--json"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert any("numpy's loops" in w for w in json.loads(run.stdout)["warnings"])
+    from conftest import run_cli
+
+    run_cli("convert", tiny_v3_no_mtp, tmp_path / "here", "--mp", 2, "--device", "cpu", "--quiet")
+    for name in ("model0-mp2.safetensors", "model1-mp2.safetensors"):
+        assert (tmp_path / "pure" / name).read_bytes() == (tmp_path / "here" / name).read_bytes()
+
+
 def test_run_input_that_is_a_missing_local_path_is_not_taken_for_a_hub_id(tiny_v3, tmp_path, monkeypatch):
     from conftest import run_cli
 
@@ -259,3 +324,47 @@ def test_convert_verify_prints_what_it_checked(tiny_v3, tmp_path):
     for check in ("load", "finite", "generate"):
         assert f"PASS  {check}" in out, out
     assert out.rstrip().endswith("OK"), out
+
+
+def test_convert_verify_without_a_tokenizer_says_so_before_converting_and_takes_prompt_ids(tiny_llama, tmp_path):
+    """A checkpoint without tokenizer.json: refused before anything is written, with a fix convert takes."""
+    from conftest import run_cli
+
+    assert not (tiny_llama / "tokenizer.json").exists()
+    proc = run_cli("convert", tiny_llama, tmp_path / "o", "--mp", 2, "--verify", check=False)
+    assert proc.returncode == 2 and "no tokenizer.json" in proc.stderr and "--prompt-ids 0,5,9" in proc.stderr, \
+        proc.stderr
+    assert not (tmp_path / "o").exists()
+    assert "--prompt-ids" in run_cli("convert", "--help").stdout
+    out = run_cli("convert", tiny_llama, tmp_path / "o", "--mp", 2, "--verify", "--prompt-ids", "3,17,42").stdout
+    assert "PASS  generate" in out and out.rstrip().endswith("OK"), out
+    proc = run_cli("convert", tiny_llama, tmp_path / "o2", "--mp", 2, "--prompt-ids", "3", check=False)
+    assert proc.returncode == 2 and "add --verify" in proc.stderr
+
+
+def test_bare_ckpttool_prints_the_help_and_no_empty_error():
+    from conftest import run_cli_process
+
+    proc = run_cli_process()
+    assert proc.returncode == 0 and "Usage: ckpttool" in proc.stdout and "Commands" in proc.stdout, proc
+    assert "error" not in proc.stderr and proc.stderr.strip() == "", proc.stderr
+
+
+def test_every_command_takes_quiet_and_every_reporting_one_json(tiny_v3, tmp_path):
+    """README: every command accepts --quiet / -q (no progress output; errors still printed)."""
+    from ckpttool.cli.app import COMMANDS
+    from conftest import run_cli
+
+    for name, _ in COMMANDS:
+        help_text = run_cli(name, "--help").stdout
+        assert "--quiet" in help_text and "-q" in help_text, name
+        if name != "demo":
+            assert "--json" in help_text, name
+    run_cli("convert", tiny_v3, tmp_path / "o", "--mp", 2, "-q")
+    assert run_cli("plan", tiny_v3, "--mp", 2, "-q").stdout.startswith("plan ")  # the plan is the report
+    checked = run_cli("inspect", tmp_path / "o", "--check", "-q").stdout
+    assert checked.startswith("intact: ") and " ok " not in checked, checked  # only failures and the verdict
+    (tmp_path / "o" / "model1-mp2.safetensors").write_bytes(b"x")
+    damaged = run_cli("inspect", tmp_path / "o", "--check", "-q", check=False)
+    assert damaged.returncode == 1 and damaged.stdout.splitlines()[0].startswith("  BAD model1-mp2"), damaged.stdout
+    assert "model0-mp2" not in damaged.stdout

@@ -97,7 +97,8 @@ def test_one_family_table_answers_every_command(tiny_v3, v3_mp2, tmp_path):
     for p in tiny_v3.iterdir():
         (tmp_path / "src" / p.name).symlink_to(p)
     for p in v3_mp2.iterdir():
-        (tmp_path / "mp" / p.name).symlink_to(p)
+        if p.name != "ckpttool-manifest.json":  # the edited config.json would be refused by it, before its model_type
+            (tmp_path / "mp" / p.name).symlink_to(p)
     for d in ("src", "mp"):
         config = json.loads((tmp_path / d / "config.json").read_text())
         (tmp_path / d / "config.json").unlink()
@@ -150,14 +151,14 @@ def test_one_source_of_defaults(tmp_path):
 def test_convert_verify_compares_with_the_input_where_it_fits(tiny_v3, tmp_path, monkeypatch):
     """`convert --verify` checks the output against the checkpoint it was converted from (transformers'
     model of it), and where loading that whole would not be safe here it says so instead."""
-    from ckpttool import runner
+    from ckpttool.verify import preflight
 
     report = json.loads(run_cli("convert", tiny_v3, tmp_path / "a", "--mp", 2, "--verify", "--json").stdout)
     reference = report["verify"]["checks"]["reference"]
     assert report["ok"] and reference["ok"] and "against transformers" in reference["detail"], reference
     assert "verify_reference_skipped" not in report
 
-    monkeypatch.setattr(runner, "REFERENCE_RAM_FRACTION", 1e-9)  # as if the input were far too large here
+    monkeypatch.setattr(preflight, "REFERENCE_RAM_FRACTION", 1e-9)  # as if the input were far too large here
     report = json.loads(run_cli("convert", tiny_v3, tmp_path / "b", "--mp", 2, "--verify", "--json").stdout)
     assert report["ok"] and "reference" not in report["verify"]["checks"]
     assert "would load it whole in float32" in report["verify_reference_skipped"]
@@ -173,3 +174,22 @@ def test_verbose_shows_the_traceback_and_where_the_time_went(tiny_v3, tmp_path):
         run_cli("-v", "convert", tmp_path / "missing", tmp_path / "c")
     plain = run_cli("convert", tmp_path / "missing", tmp_path / "c", check=False)
     assert plain.returncode == 1 and "Traceback" not in plain.stderr and "error: input directory does not exist" in plain.stderr
+
+
+def test_sizes_read_as_pydantic_bytesize_reads_them(tiny_v3):
+    """8GB and 8G are 10^9-byte units, 8GiB 2^30-byte ones (pydantic's ByteSize, llama.cpp's --split-max-size);
+    --help says which."""
+    from pydantic import ByteSize, TypeAdapter
+
+    for text in ("8G", "8GB", "8gb", "8GiB", "512MiB", "512MB", "1.5GB", "0.5GiB", "4 GiB", "100", "2T", "3K"):
+        assert defaults.parse_size(text) == int(TypeAdapter(ByteSize).validate_python(text)), text
+    assert defaults.parse_size("8G") == defaults.parse_size("8GB") == 8 * 10**9
+    assert defaults.parse_size("8GiB") == 8 * 2**30 and defaults.parse_size("50GB") == 50 * 10**9
+    for bad in ("8 gigs", "-1GB", "GB", ""):
+        with pytest.raises(ValueError, match="8GB and 8G are 8 x 10\\^9 bytes, 8GiB is 8 x 2\\^30"):
+            defaults.parse_size(bad)
+    with pytest.raises(ValueError, match="larger than any size can be"):
+        defaults.parse_size("9" * 400)  # ByteSize takes any integer
+    planned = json.loads(run_cli("plan", tiny_v3, "--max-memory", "20MB", "--json").stdout)
+    assert planned["max_memory"] == 20_000_000
+    assert "8GiB is 8 x 2^30" in " ".join(run_cli("convert", "--help").stdout.replace("│", " ").split())

@@ -106,3 +106,15 @@ def test_missing_config_is_named(pristine, tmp_path):
     (ckpt / "config.json").unlink()
     proc = run_cli("dequant", ckpt, tmp_path / "out", check=False)
     assert proc.returncode == 1 and "config.json is missing" in proc.stderr and "fix:" in proc.stderr
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_our_own_mp_output_given_as_an_hf_input_says_what_it_is_and_what_to_run(pristine, tmp_path, mp):
+    """mp shards repeat tensor names across ranks (and mp 1 holds native names): not a stray shard."""
+    run_cli("convert", pristine, tmp_path / "mp", "--mp", mp, "--quiet")
+    for cmd, *rest in (["convert", "--mp", "2"], ["dequant"], ["shard", "--mp", "2"], ["plan"]):
+        proc = run_cli(cmd, tmp_path / "mp", *([] if cmd == "plan" else [tmp_path / f"o-{cmd}"]), *rest, check=False)
+        assert proc.returncode == 1, (cmd, proc.stderr)
+        assert "ckpttool's model-parallel output" in proc.stderr and f"model0-mp{mp}.safetensors" in proc.stderr
+        assert f"ckpttool merge {tmp_path / 'mp'} HF_DIR" in proc.stderr and "stray" not in proc.stderr, proc.stderr
+        assert not (tmp_path / f"o-{cmd}").exists()

@@ -79,6 +79,41 @@ def test_unknown_key_is_named_with_its_line(tmp_path):
     assert "stages.0.shard.mpp" in str(exc.value) and f"{p}:5" in str(exc.value) and "unknown key" in str(exc.value)
 
 
+def test_a_typo_in_set_is_blamed_on_the_set_not_on_the_recipe_file(tmp_path):
+    """`--set shard.mpp=2` on a bundled recipe: the typo is the --set's, and the fix names the key meant."""
+    from ckpttool.recipe import BUNDLED
+
+    with pytest.raises(RecipeError) as exc:
+        load_recipe("deepseek-v2-lite-mp", ["shard.mpp=2"])
+    text = str(exc.value)
+    assert text.startswith("--set shard.mpp=2: stages.0.shard.mpp: unknown key (did you mean 'mp'?); allowed: mp"), text
+    assert str(BUNDLED) not in text and ".yaml" not in text
+    with pytest.raises(RecipeError, match=r"--set execution\.wokers=3: .*did you mean 'workers'\?.*allowed: max_memory, "
+                                          r"workers, processes, device"):
+        load_recipe("deepseek-v2-lite-mp", ["execution.wokers=3"])
+
+
+@pytest.mark.parametrize("text, line, meant", [
+    ("name: x\nstages:\n  - shrad: {mp: 2}\n", 3, "shard"),
+    ("name: x\nstages:\n  - dequant: {}\nexecution: {wokers: 3}\n", 4, "workers"),
+    ("name: x\nstages:\n  - dequant: {dtpye: bf16}\n", 3, "dtype"),
+    ("name: x\nmpt: keep\nstages:\n  - dequant: {}\n", 2, "mtp"),
+])
+def test_unknown_keys_get_the_nearest_allowed_key_and_the_list(tmp_path, text, line, meant):
+    p = _write(tmp_path, text)
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(p)
+    assert f"{p}:{line}: " in str(exc.value) and f"did you mean {meant!r}?" in str(exc.value), str(exc.value)
+    assert "; allowed: " in str(exc.value) and meant in str(exc.value).split("; allowed: ")[1]
+
+
+def test_unknown_names_get_the_nearest_one(tmp_path):
+    with pytest.raises(RecipeError, match="did you mean 'deepseek-v3-mp8-bf16'"):
+        load_recipe("deepseek-v3-mp8-bf61")
+    with pytest.raises(RecipeError, match="unknown arch 'qwen3_mo' \\(did you mean 'qwen3_moe'\\?\\); use auto or one of"):
+        load_recipe(_write(tmp_path, "name: x\narch: qwen3_mo\nstages:\n  - dequant: {}\n"))
+
+
 @pytest.mark.parametrize("text, needle", [
     ("name: x\nstages:\n  - shard: {mp: 0}\n", "stages.0.shard.mp"),
     ("name: x\nstages:\n  - shard: {mp: 2}\n  - download: {}\n", "download stage must come first"),

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ckpttool.cli.options import Json
+from ckpttool.cli.options import Json, Quiet
 from ckpttool.errors import InputError, printable
 from ckpttool.describe import describe
 from ckpttool.formats import FP8_BLOCK, MXFP4
@@ -18,8 +18,10 @@ from ckpttool.publish.publish import check_manifest
 def inspect(path: Annotated[Path, typer.Argument(help="A .safetensors file or a checkpoint directory.")],
             tensors: Annotated[bool, typer.Option("--tensors", help="List every tensor, not just the patterns.")] = False,
             check: Annotated[bool, typer.Option("--check", help="Re-verify ckpttool output against its manifest.")] = False,
-            json_: Json = False) -> None:
+            quiet: Quiet = False, json_: Json = False) -> None:
     """Show tensors, dtypes, shapes, sizes and quantization; --check re-hashes a ckpttool output.
+
+    With --check, -q prints only the files that fail and the verdict.
 
     Example: ckpttool inspect ./DeepSeek-V3-mp8 --check
     """
@@ -33,6 +35,8 @@ def inspect(path: Annotated[Path, typer.Argument(help="A .safetensors file or a 
             print(json.dumps(rep, indent=2))
         else:
             for name, status in rep["files"].items():
+                if quiet and status == "ok":
+                    continue
                 print(f"  {'ok ' if status == 'ok' else 'BAD'} {printable(name)}" + ("" if status == "ok" else f": {status}"))
             print(f"{'intact' if rep['ok'] else 'DAMAGED'}: {path} (plan {str(rep['plan_hash'])[:12]})")
         if not rep["ok"]:

@@ -31,7 +31,8 @@ Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda: where 
                                                     "the cores (from about 29 GB of output on 2 cores, 520 GB on 4; "
                                                     "never on 8+).")]
 MaxMemory = Annotated[Optional[str], typer.Option(
-    "--max-memory", help=f"Memory budget for tensors in flight, e.g. 8GiB (default {defaults.MAX_MEMORY}).")]
+    "--max-memory", help=f"Memory budget for tensors in flight, e.g. 8GiB (default {defaults.MAX_MEMORY}; "
+                         f"{defaults.SIZE_UNITS}).")]
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", min=1,
     help=f"Parallel tensor workers, in all processes (default: in one process one per core this process may use "
@@ -45,6 +46,10 @@ Processes = Annotated[Optional[int], typer.Option(
 MaxInputFiles = Annotated[Optional[int], typer.Option(
     "--max-input-files", min=1, help="Input from a hub repo id: files on disk at once, each deleted once converted "
                                      f"(default {defaults.MAX_INPUT_FILES}; raised where the plan needs more at once).")]
+Revision = Annotated[Optional[str], typer.Option(
+    "--revision", help="A hub input's branch, tag or commit (default main; also SRC@revision, as namespace/name@v1.0).")]
+Token = Annotated[Optional[str], typer.Option(
+    "--token", help="Hub token for a private or gated repo (default: HF_TOKEN or the saved `hf auth login` token).")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace ckpttool output already in DST.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in DST; byte-identical result.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit; reads no weights.")]

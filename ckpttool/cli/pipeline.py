@@ -26,17 +26,25 @@ from ckpttool.cli.options import (
     Processes,
     Quiet,
     Resume,
+    Revision,
     Src,
+    Token,
     Workers,
     require_torch,
     verbose,
 )
+from ckpttool.cli.verify import parse_ids
 from ckpttool.errors import RecipeError
 from ckpttool.recipe import Recipe, bundled_recipes, load_recipe, preset
 from ckpttool.runner import Request, RunReport, reports_here, run as run_request
 
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bf16: dequantize FP8 weights; fp8: keep them (with split scales).")]
 VerifyOpt = Annotated[bool, typer.Option("--verify", help="After publishing, run `ckpttool verify` on the output.")]
+PromptOpt = Annotated[Optional[str], typer.Option(
+    "--prompt", help="--verify: text to continue, tokenized with the output's tokenizer.json (default 'hello world').")]
+PromptIdsOpt = Annotated[Optional[str], typer.Option(
+    "--prompt-ids", help="--verify: token ids to continue instead of --prompt, e.g. 0,5,9 (for a checkpoint "
+                         "without tokenizer.json).")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a recipe key: shard.mp=4, execution.workers=8.")]
 
 
@@ -52,11 +60,12 @@ def _dequant_flag(dtype: str | None, default: bool) -> bool:
 
 def _execute(recipe: Recipe, src: str | Path | None, dst: Path | None, *, overwrite: bool = False,
              resume: bool = False, quiet: bool = False, as_json: bool = False, dry_run: bool = False,
-             hub_input: bool = False) -> None:
+             hub_input: bool = False, revision: str | None = None, token: str | None = None) -> None:
     if not reports_here():
         quiet, as_json = True, False
     report = run_request(Request(recipe=recipe, src=src, dst=dst, hub_input=hub_input, overwrite=overwrite,
-                                 resume=resume, dry_run=dry_run, quiet=quiet or as_json))
+                                 resume=resume, dry_run=dry_run, quiet=quiet or as_json, revision=revision,
+                                 token=token))
     if dry_run:
         _print_plan(report, as_json)
         return
@@ -83,9 +92,8 @@ def _print_result(report: RunReport) -> None:
         print(_download_line(result.download))
     for note in result.plan.notes:
         print(f"  - {note}")
-    if result.timings is not None and result.timings.counts.get("chunks_by_cpu_loops_numpy"):
-        print("  - dequantized on the CPU by numpy's loops, about 3x slower than compiled ones: no C compiler was "
-              "found at install and numba is not in use (install gcc and reinstall, or pip install 'ckpttool[fast]')")
+    for warning in result.warnings:
+        print(f"  - {warning}")
     if report.verify is not None:  # each check and what it found, not just the verdict
         print(report.verify.render(result.dst))
     if report.reference_skipped:
@@ -141,8 +149,9 @@ def _hub_plan_lines(h: dict) -> str:
 
 def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None, max_memory: MaxMemory = None,
             workers: Workers = None, processes: Processes = None, device: Device = defaults.DEVICE,
-            max_input_files: MaxInputFiles = None, overwrite: Overwrite = False, resume: Resume = False,
-            dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
+            max_input_files: MaxInputFiles = None, revision: Revision = None, token: Token = None,
+            overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
+            json_: Json = False) -> None:
     """Quantized HF checkpoint -> BF16 HF checkpoint (index, config and tokenizer rewritten/copied).
 
     Reads the formats README's "Quantized inputs" lists: FP8, MXFP4, compressed-tensors, ModelOpt, GPTQ, AWQ.
@@ -154,14 +163,14 @@ def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = No
     recipe = preset("dequant", dequant=True, keep_mtp=keep_mtp, max_memory=max_memory, workers=workers,
                     processes=processes, device=device, max_input_files=max_input_files)
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
-             hub_input=True)
+             hub_input=True, revision=revision, token=token)
 
 
 def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, help="Model-parallel ranks.")],
           dtype: DtypeOpt = None, keep_mtp: KeepMtp = None, max_memory: MaxMemory = None, workers: Workers = None,
           processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
-          overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
-          json_: Json = False) -> None:
+          revision: Revision = None, token: Token = None, overwrite: Overwrite = False, resume: Resume = False,
+          dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """HF checkpoint -> model{i}-mp{N}.safetensors shards (FP8 kept unless --dtype bf16).
 
     The reference DeepSeek layout (or the family's own mp layout); FP8 weights stay FP8 with split
@@ -172,14 +181,15 @@ def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, hel
     recipe = preset("shard", dequant=_dequant_flag(dtype, False), mp=mp, keep_mtp=keep_mtp, max_memory=max_memory,
                     workers=workers, processes=processes, device=device, max_input_files=max_input_files)
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
-             hub_input=True)
+             hub_input=True, revision=revision, token=token)
 
 
 def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None,
-            verify: VerifyOpt = False, max_memory: MaxMemory = None, workers: Workers = None,
+            verify: VerifyOpt = False, prompt: PromptOpt = None, prompt_ids: PromptIdsOpt = None,
+            max_memory: MaxMemory = None, workers: Workers = None,
             processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
-            overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
-            json_: Json = False) -> None:
+            revision: Revision = None, token: Token = None, overwrite: Overwrite = False, resume: Resume = False,
+            dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """All stages fused in one pass: FP8 HF straight to BF16 mp shards, no intermediate copy.
 
     From a hub repo id the input streams through DST: each file is fetched in the order the
@@ -192,28 +202,32 @@ def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mt
     """
     if verify and mp is None:
         raise RecipeError("--verify loads model-parallel shards", fix="add --mp N")
+    if (prompt is not None or prompt_ids is not None) and not verify:
+        raise RecipeError("--prompt and --prompt-ids are what --verify generates from", fix="add --verify")
     if verify:
         require_torch("convert --verify", "verify")
     recipe = _convert_recipe("convert", mp, dtype, keep_mtp, device if verify else None, max_memory, workers, device,
-                             max_input_files, processes)
+                             max_input_files, processes, prompt=prompt,
+                             prompt_ids=None if prompt_ids is None else parse_ids(prompt_ids))
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
-             hub_input=True)
+             hub_input=True, revision=revision, token=token)
 
 
 def _convert_recipe(name: str, mp: int | None, dtype: str | None, keep_mtp: bool | None, verify_device: str | None,
                     max_memory: str | None, workers: int | None, device: str, max_input_files: int | None,
-                    processes: int | None = None) -> Recipe:
+                    processes: int | None = None, *, prompt: str | None = None,
+                    prompt_ids: list[int] | None = None) -> Recipe:
     """convert's flags as a recipe; `plan` takes the same flags and defaults, so it previews convert."""
     return preset(name, dequant=_dequant_flag(dtype, True), mp=mp, keep_mtp=keep_mtp, verify_device=verify_device,
-                  max_memory=max_memory, workers=workers, processes=processes, device=device,
-                  max_input_files=max_input_files)
+                  verify_prompt=prompt, verify_prompt_ids=prompt_ids, max_memory=max_memory, workers=workers,
+                  processes=processes, device=device, max_input_files=max_input_files)
 
 
 def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.safetensors shards and config.json.")],
           dst: Dst,
           max_shard_size: Annotated[str, typer.Option(
               "--max-shard-size", help="Largest output file before splitting into model-0000i-of-0000n "
-                                       "(the default is transformers').")] = defaults.MAX_SHARD_SIZE,
+                                       f"(the default is transformers'; {defaults.SIZE_UNITS}).")] = defaults.MAX_SHARD_SIZE,
           max_memory: MaxMemory = None, workers: Workers = None, processes: Processes = None,
           overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
           json_: Json = False) -> None:
@@ -221,6 +235,8 @@ def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.
 
     The same key table read backwards: split tensors are concatenated, replicated ones taken once, experts
     gathered from their ranks, FP8 `.scale` back to `weight_scale_inv`. shard then merge is byte-identical.
+    Beside ckpttool's manifest, every shard is checked against it (size, then hash before it is read): a rank
+    file of another conversion is refused. Shards without a manifest are read unchecked.
 
     Example: ckpttool merge ./llama-mp4 ./llama-hf
     """
@@ -235,15 +251,15 @@ def run(recipe_path: Annotated[Path, typer.Argument(
             "--input", "-i", help="Input directory; or a hub repo id (namespace/name), downloaded when the recipe has a "
                                   "download stage or no such local path exists.")] = None,
         output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory.")] = None,
-        set_: SetOpt = None, overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False,
-        quiet: Quiet = False, json_: Json = False) -> None:
+        set_: SetOpt = None, revision: Revision = None, token: Token = None, overwrite: Overwrite = False,
+        resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """Run a YAML recipe: its download, dequant, shard and verify stages, each optional, in one pass.
 
     Example: ckpttool run deepseek-v3-mp8-bf16 -i ./DeepSeek-V3 -o ./v3-mp4 --set shard.mp=4
     """
     recipe = load_recipe(recipe_path, set_ or [])
     _execute(recipe, input_, output, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
-             hub_input=True)
+             hub_input=True, revision=revision, token=token)
 
 
 def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output directory (for the free-space check).")] = None,
@@ -251,7 +267,8 @@ def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output di
          recipe_path: Annotated[Optional[str], typer.Option(
              "--recipe", help="Plan a recipe (a file or a bundled recipe's name) instead of flags.")] = None,
          set_: SetOpt = None, max_memory: MaxMemory = None, workers: Workers = None, processes: Processes = None,
-         max_input_files: MaxInputFiles = None, json_: Json = False) -> None:
+         max_input_files: MaxInputFiles = None, revision: Revision = None, token: Token = None,
+         quiet: Quiet = False, json_: Json = False) -> None:
     """Print what `convert` with the same flags would write, from headers alone.
 
     The same flags and defaults as convert (BF16 unless --dtype fp8; `convert ... --dry-run` prints the
@@ -268,4 +285,5 @@ def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output di
     else:
         recipe = _convert_recipe("plan", mp, dtype, keep_mtp, None, max_memory, workers, defaults.DEVICE,
                                  max_input_files, processes)
-    _execute(recipe, src, dst, as_json=json_, dry_run=True, hub_input=True)
+    _execute(recipe, src, dst, quiet=quiet, as_json=json_, dry_run=True, hub_input=True, revision=revision,
+             token=token)

@@ -13,7 +13,7 @@ from ckpttool.errors import InputError
 from ckpttool.verify.defaults import DEFAULT_PROMPT, DEFAULT_TOLERANCE
 
 
-def _parse_ids(text: str) -> list[int]:
+def parse_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
@@ -52,7 +52,7 @@ def verify(
     require_torch("verify", "verify")
     from ckpttool.verify.run import reports_here, run_verify  # torch loads only when this command runs
 
-    ids = _parse_ids(prompt_ids) if prompt_ids is not None else None
+    ids = parse_ids(prompt_ids) if prompt_ids is not None else None
     report = run_verify(directory, reference=reference, prompt=prompt, prompt_ids=ids, max_new_tokens=max_new_tokens,
                         device=device, dtype=dtype, tolerance=tolerance, mp=mp, attn_impl=attn)
     if reports_here():

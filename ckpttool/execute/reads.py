@@ -1,7 +1,8 @@
 """What a dequant task reads for a run of output rows: the span of the stored values its format names
 (`QuantFormat.source_span`: dim-0 rows, or last-dim columns where the values are stored transposed), and
 each side tensor, whole once per tensor or the span a run needs (`Side.rows` along `Side.axis`). Every
-scale is checked by the one function the format table gives (formats.row.bad_row) before a kernel sees it.
+scale is checked by the one function the format table gives (formats.row.bad_row) before a kernel sees it, and a
+run's sides together by the row's `check_sides`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class SideReader:
     """The side tensors of one task: the whole ones read (and checked) once, the others per run."""
 
     def __init__(self, inputs: ShardFiles, source: str, fmt: QuantFormat, sides: tuple[SideInput, ...]):
-        self.inputs, self.source, self.sides = inputs, source, sides
+        self.inputs, self.source, self.fmt, self.sides = inputs, source, fmt, sides
         self.whole: dict[str, np.ndarray] = {}
         self.global_scale = 1.0
         shapes = {s.side.role: tuple(s.info.shape) for s in sides}
@@ -88,4 +89,8 @@ class SideReader:
                 sides[s.side.role] = checked(self.inputs, self.source, s, span, a if s.side.axis == 0 else 0)
             else:
                 sides[s.side.role] = _along(self.whole[s.side.role], s.side.axis, a, b)
+        problem = self.fmt.check_sides(sides)
+        if problem:
+            raise InputError(problem, file=self.inputs.root / self.sides[0].file, tensor=self.source,
+                             fix="the checkpoint is corrupt; re-download it")
         return Chunk(values, dtype, sides, {s.side.role: s.info.dtype for s in self.sides}, self.global_scale)

@@ -136,6 +136,10 @@ class Family:
     transformers_types: dict[str, str] = field(default_factory=dict)
     """model_type -> the transformers model_type implementing it, where transformers names it otherwise
     (Kimi-K2 ships remote code for the DeepSeek-V3 architecture): verify's oracle"""
+    buffers: tuple[str, ...] = ()
+    """name endings (after a `.`) of tensors transformers' model holds as buffers, not parameters (the router's
+    `e_score_correction_bias`, DeepSeek-V4's `tid2eid`): the index's `total_parameters`, as transformers writes
+    it (`model.num_parameters()`), leaves them out"""
     key_map_of: Callable[[Any], KeyMap] | None = None
     """parsed config -> its key table, where one model type's checkpoints come in several spellings
     (DeepSeek-V4: DeepSeek's own names, or transformers' save_pretrained's); `keys(cfg)`"""

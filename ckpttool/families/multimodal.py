@@ -168,6 +168,7 @@ def wrapped(wrapper: Wrapper, text: Family) -> Family:
         mtp_config_key=f"{wrapper.text_config}.{text.mtp_config_key}" if text.mtp_config_key else None,
         mtp_in_mp=text.mtp_in_mp,
         quantize=text.quantize,
+        buffers=text.buffers,  # name endings: the same under the wrapper's prefix
         explicit_config=explicit,
     )
 

@@ -13,6 +13,7 @@ if a new quant_method names it.
   modelopt.py    NVIDIA ModelOpt NVFP4
   gptq.py        GPTQ (gptqmodel, AutoGPTQ): 4/8-bit codes packed along the input dim, zero points, g_idx
   awq.py         AWQ (autoawq): GEMM and GEMV 4-bit layouts
+  bnb.py         bitsandbytes 4-bit (NF4, FP4, double quant) and LLM.int8()
 
 Each dequant transform works on a run of dim-0 rows of its source, so the executor can stream any
 tensor in bounded chunks: `row_align` is the smallest run it can take (an FP8 scale covers 128 rows),
@@ -27,7 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
 
 from ckpttool.errors import InputError
-from ckpttool.formats import awq, compressed, fp8, gptq, modelopt
+from ckpttool.formats import awq, bnb, compressed, fp8, gptq, modelopt
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
 from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
 from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
@@ -37,14 +38,15 @@ from ckpttool.kernels.quant import INT4_GROUP_SIZES, pack_int4, quantize_int4_gr
 if TYPE_CHECKING:
     import torch
 
-DEQUANT_FORMATS: tuple[QuantFormat, ...] = (FP8_BLOCK, MXFP4, *compressed.ROWS, *modelopt.ROWS)
+DEQUANT_FORMATS: tuple[QuantFormat, ...] = (FP8_BLOCK, MXFP4, *compressed.ROWS, *modelopt.ROWS, *bnb.ROWS)
 """the rows of fixed parameters; the others are made for a config's (formats/fp8.py: FP8 blocks of any size)"""
 COMPANIONS: tuple[Companion, ...] = tuple(dict.fromkeys(f.companion for f in DEQUANT_FORMATS if f.companion is not None))
 UNDECLARED = (Rule(FP8_BLOCK, "(no quantization_config)"), Rule(MXFP4, "(no quantization_config)"))
 """what a checkpoint without a quantization config may hold (as before configs named them)"""
 HF_QUANT_CONFIG = modelopt.HF_QUANT_CONFIG
-SUPPORTED_METHODS = (*fp8.METHODS, "mxfp4", compressed.METHOD, modelopt.METHOD, gptq.METHOD, awq.METHOD)
-NAMED = (fp8.named, gptq.named, awq.named)
+SUPPORTED_METHODS = (*fp8.METHODS, "mxfp4", compressed.METHOD, modelopt.METHOD, gptq.METHOD, awq.METHOD,
+                     bnb.METHOD)
+NAMED = (fp8.named, gptq.named, awq.named, bnb.named)
 """the modules whose rows are made for a config's parameters: each rebuilds a row from the name a plan records"""
 
 
@@ -101,6 +103,8 @@ def declared_rules(quant: object, hf_quant: dict | None, config_path: object,
         return gptq.declared(quant, config_path)
     if method == awq.METHOD:
         return awq.declared(quant, config_path)
+    if method == bnb.METHOD:
+        return bnb.declared(quant, config_path)
     raise InputError(f"quantization_config quant_method {method!r} is not a format ckpttool reads", file=config_path,
                      fix=f"ckpttool reads quant_method {', '.join(map(repr, SUPPORTED_METHODS))}; "
                          "dequantize this checkpoint with the library that wrote it")

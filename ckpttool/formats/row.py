@@ -13,7 +13,8 @@ take). `source_span` says which span of the stored values a run needs: their own
 formats, or a span of their last dim where the values are stored transposed and packed along the input
 dimension (GPTQ, AWQ: output row n is stored column n). Each side is read whole once per tensor (`WHOLE`:
 small, its values checked before any chunk) or the span a run needs (`BY_ROWS`: `Side.rows` along
-`Side.axis`), or not at all at execution (`AT_PLAN`: checked at plan time; `DROPPED`).
+`Side.axis`), or not at all at execution (`AT_PLAN`: checked at plan time, where `QuantFormat.at_plan` may read
+its data and plan the weight with a row made for it; `DROPPED`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
 WHOLE, BY_ROWS, AT_PLAN, DROPPED = "whole", "rows", "plan", "drop"
 """how the executor reads a side tensor (see the module docstring)"""
+AT_PLAN_BYTES = 1 << 16
+"""the most an AT_PLAN side a row reads at plan time (`QuantFormat.at_plan`) may hold: more is refused unread"""
 
 
 def with_leaf(name: str, leaf: str) -> str:
@@ -164,6 +167,16 @@ class QuantFormat:
     counted as `chunks_by_cpu_loops_numpy_only` in a run's timing"""
     keepable: bool = True
     """whether a plan may keep the format (shard without dequant): False where ckpttool cannot split it"""
+    at_plan: Callable[[tuple, dict[str, tuple], dict[str, np.ndarray], dict[str, str], object], QuantFormat] | None \
+        = None
+    """where the data of the AT_PLAN sides decide the row (bitsandbytes' quant state holds the shape, the block
+    size, the nested offset): (values shape, role -> shape, role -> an AT_PLAN side's values (at most
+    AT_PLAN_BYTES each, read by the planner), role -> stored name, file) -> the row this one weight is planned
+    with, named by what it read so BY_NAME finds it again; an InputError for bad data. None: every weight the
+    row claims is planned with the row itself."""
+    check_sides: Callable[[dict[str, np.ndarray]], str | None] = lambda sides: None
+    """what is wrong with a run's side values taken together, checked before any kernel sees them (bitsandbytes'
+    double-quant absmax, rebuilt from two sides, must be finite); None: nothing"""
 
     def side(self, role: str) -> Side:
         return next(s for s in self.sides if s.role == role)

@@ -1,7 +1,9 @@
 """Download stage: fetch exactly the files a recipe needs from the Hugging Face Hub, then prove them.
 
 Built on huggingface_hub (resolve_revision, model_info, snapshot_download, hf_hub_download), so
-HF_ENDPOINT, HF_TOKEN or the saved login, HF_HUB_CACHE and HF_HUB_OFFLINE mean what they mean everywhere.
+HF_ENDPOINT, HF_TOKEN or the saved login, HF_HUB_CACHE and HF_HUB_OFFLINE mean what they mean everywhere;
+like huggingface_hub, a hub that cannot be reached (no answer, or HTTP 5xx) means the HF cache's copy is
+used (and said), not an error, when the cache holds one.
 The hub client checks sizes only. Every file it hands back is checked again here: size against the
 hub's listing, the strict safetensors header, and with `verify_sha256` the hub's LFS sha256 (git blob
 sha1 for small files). A file that fails is deleted, fetched once more, and reported if it fails again;
@@ -22,10 +24,12 @@ from huggingface_hub import HfApi, get_cached_repo_tree, hf_hub_download, snapsh
 from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import CachedRepoTreeNotFoundError
 from huggingface_hub.file_download import repo_folder_name
-from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from ckpttool.errors import InputError, OutputError
-from ckpttool.hub.client import HUB_FAILURES, SilentTqdm, translate
+from ckpttool.hub import guard
+from ckpttool.hub.client import HUB_FAILURES, HubUnreachable, SilentTqdm, translate
+from ckpttool.hub.selection import Selection
 from ckpttool.io.layout import name_problem
 from ckpttool.io.safetensors import printable, read_header
 from ckpttool.publish.destination import DestinationLock
@@ -64,6 +68,7 @@ class DownloadResult:
     sha256_requested: bool
     hashed_bytes: int
     hash_seconds: float
+    offline_reason: str | None = None  # HF_HUB_OFFLINE, or the hub unreachable: the HF cache's copy was used
 
     @property
     def total_bytes(self) -> int:
@@ -80,24 +85,13 @@ class DownloadResult:
     def to_json(self) -> dict:
         return {
             "repo_id": self.repo_id, "revision": self.revision, "commit": self.commit, "path": str(self.path),
-            "offline": self.offline, "sha256_requested": self.sha256_requested, "total_bytes": self.total_bytes,
+            "offline": self.offline, "offline_reason": self.offline_reason,
+            "sha256_requested": self.sha256_requested, "total_bytes": self.total_bytes,
             "hashed_bytes": self.hashed_bytes,
             "hash_seconds": round(self.hash_seconds, 6), "hash_gbps": self.hash_gbps, "refetched": self.refetched,
             "files": [{"name": f.name, "size": f.size, "header_checked": f.header_checked,
                        "hash_checked": f.hash_checked, "refetched": f.refetched} for f in self.files],
         }
-
-
-def resolve_input(value: str | os.PathLike) -> Path | str:
-    """A `--input` value: an existing path is a local checkpoint (Path); `namespace/name` is a repo id (str)."""
-    path = Path(value).expanduser()
-    if path.exists():
-        return path
-    text = str(value)
-    if is_repo_id(text):
-        return text
-    raise InputError("input is neither an existing directory nor a Hub repo id (namespace/name)", file=text,
-                     fix="pass a checkpoint directory that exists, or a repo id such as deepseek-ai/DeepSeek-V3")
 
 
 def is_repo_id(text: str) -> bool:
@@ -113,21 +107,28 @@ def is_repo_id(text: str) -> bool:
 
 def download_checkpoint(repo_id: str, dst: str | os.PathLike | None = None, *, revision: str | None = None,
                         allow_patterns: list[str] | str | None = None, ignore_patterns: list[str] | str | None = None,
-                        max_workers: int = 8, verify_sha256: bool = False, token: str | None = None,
-                        quiet: bool = False) -> DownloadResult:
-    """Fetch the matching files of `repo_id` into `dst` (None: the HF cache), verify each, return the report."""
+                        files: list[str] | None = None, max_workers: int = 8, verify_sha256: bool = False,
+                        token: str | None = None, quiet: bool = False, cache_dir: str | os.PathLike | None = None,
+                        local_files_only: bool = False) -> DownloadResult:
+    """Fetch the matching files of `repo_id` into `dst` (None: the HF cache, `cache_dir` or HF_HUB_CACHE),
+    verify each, return the report. `files`: exact names (a folder as `name/`) instead of the patterns.
+    `local_files_only`: the cache's copy, without a request (as when the hub cannot be reached)."""
     if not is_repo_id(repo_id):
         raise InputError(f"{repo_id!r} is not a Hub repo id", fix="use namespace/name, e.g. deepseek-ai/DeepSeek-V3")
     if max_workers < 1:
         raise InputError(f"max_workers must be at least 1, got {max_workers}", fix="set max_workers to 1 or more")
-    allow, ignore = _as_list(allow_patterns), _as_list(ignore_patterns)
+    if dst is not None and cache_dir is not None:  # as `hf download`
+        raise InputError("--local-dir and --cache-dir do not go together",
+                         fix="--cache-dir for the shared HF cache, or --local-dir for a copy in one directory")
+    how = Session(Selection.of(files, allow_patterns, ignore_patterns), max_workers, verify_sha256, token, quiet,
+                  Path(cache_dir or hf_constants.HF_HUB_CACHE), local_files_only)
     if dst is None:  # the HF cache: the hub client locks each file there itself
-        return _download(repo_id, None, revision, allow, ignore, max_workers, verify_sha256, token, quiet)
+        return _download(repo_id, None, revision, how)
     # one run per DST, as for every command that writes one: two downloads into one directory would
     # interleave their partial files and each verify (and delete) what the other is still writing
     lock = DestinationLock(Path(dst), then="a re-run fetches only the files still missing")
     try:
-        result = _download(repo_id, Path(dst), revision, allow, ignore, max_workers, verify_sha256, token, quiet)
+        result = _download(repo_id, Path(dst), revision, how)
     except BaseException:
         lock.release(failed=True)
         raise
@@ -135,27 +136,53 @@ def download_checkpoint(repo_id: str, dst: str | os.PathLike | None = None, *, r
     return result
 
 
-def _download(repo_id: str, dst: Path | None, revision: str | None, allow: list[str] | None,
-              ignore: list[str] | None, max_workers: int, verify_sha256: bool, token: str | None,
-              quiet: bool) -> DownloadResult:
-    local_dir = _check_destination(dst, repo_id) if dst is not None else None
-    offline = hf_constants.is_offline_mode()
-    api = HfApi(token=token)
-    where = f"{repo_id}@{revision or 'main'}"
+@dataclass(frozen=True, slots=True)
+class Session:
+    """How one download runs: which files, with what checks and token, against which cache."""
 
+    selection: Selection
+    max_workers: int
+    verify_sha256: bool
+    token: str | None
+    quiet: bool
+    cache: Path
+    local_files_only: bool
+
+
+def _resolve(api: HfApi, repo_id: str, revision: str | None, how: Session, offline: bool | str,
+             where: str) -> tuple[object, dict[str, RemoteFile] | None]:
+    """(the revision resolved to a commit, the hub's listing or None offline); HubUnreachable when the hub
+    does not answer, so the caller can ask the cache alone."""
     try:
-        resolved = api.resolve_revision(repo_id, revision=revision, local_files_only=offline, token=token)
-        listing = None if offline else _list_remote(api, repo_id, resolved.resolved)
+        resolved = api.resolve_revision(repo_id, revision=revision, local_files_only=bool(offline), token=how.token,
+                                        cache_dir=how.cache)
+        return resolved, None if offline else _list_remote(api, repo_id, resolved.resolved)
     except HUB_FAILURES as exc:
         raise translate(exc, where, offline) from exc
+
+
+def _download(repo_id: str, dst: Path | None, revision: str | None, how: Session) -> DownloadResult:
+    local_dir = _check_destination(dst, repo_id) if dst is not None else None
+    # True: HF_HUB_OFFLINE; a str: why else only the cache is read; False: the hub is asked
+    offline: bool | str = True if hf_constants.is_offline_mode() else \
+        "the cache alone was asked for" if how.local_files_only else False
+    reason = "HF_HUB_OFFLINE is set" if offline is True else offline or None
+    api = HfApi(token=how.token)
+    where = f"{repo_id}@{revision or 'main'}"
+    allow, ignore = how.selection.patterns()
+    token, max_workers, quiet = how.token, how.max_workers, how.quiet
+
+    try:
+        resolved, listing = _resolve(api, repo_id, revision, how, offline, where)
+    except HubUnreachable as exc:  # as huggingface_hub does: then the cache's copy, if it has one
+        offline = reason = f"the hub cannot be reached ({exc.cause})"
+        resolved, listing = _resolve(api, repo_id, revision, how, offline, where)
     commit = resolved.resolved
-    root = local_dir or Path(hf_constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") \
-        / "snapshots" / commit
+    if listing is not None:  # each transfer stops at the listed size and gives up when it makes no progress
+        guard.expect(repo_id, {n: f.size for n, f in listing.items()})
+    root = local_dir or how.cache / repo_folder_name(repo_id=repo_id, repo_type="model") / "snapshots" / commit
     if listing is not None:
-        wanted = {n: listing[n] for n in filter_repo_objects(listing, allow_patterns=allow, ignore_patterns=ignore)}
-        if not wanted:
-            raise InputError(f"no file of {where} matches allow_patterns={allow} ignore_patterns={ignore}",
-                             fix="loosen the patterns; `ckpttool download` without them fetches every file")
+        wanted = how.selection.pick(listing, where)
         if local_dir is not None:  # created only once the hub has answered; the record lets offline runs hash
             local_dir.mkdir(parents=True, exist_ok=True)
             _write_marker(local_dir, repo_id, revision, commit, wanted)
@@ -164,26 +191,27 @@ def _download(repo_id: str, dst: Path | None, revision: str | None, allow: list[
     try:
         root = Path(snapshot_download(repo_id, revision=resolved, local_dir=local_dir, allow_patterns=allow,
                                       ignore_patterns=ignore, max_workers=max_workers, token=token,
-                                      local_files_only=offline, tqdm_class=tqdm_class))
+                                      local_files_only=bool(offline), tqdm_class=tqdm_class, cache_dir=how.cache,
+                                      headers=guard.IDENTITY))
     except HUB_FAILURES as exc:
         missing = [n for n in wanted if not (root / n).is_file()] if listing is not None else []
         raise translate(exc, where, offline, missing=missing, root=root) from exc
     if listing is None:
-        wanted = _offline_expectations(repo_id, commit, local_dir, root, allow, ignore)
+        wanted = how.selection.pick(_offline_expectations(repo_id, commit, local_dir, root, how.cache), where)
 
     def refetch(name: str) -> None:
         if offline:
-            raise InputError("the local copy failed its check and HF_HUB_OFFLINE is set, so it cannot be re-fetched",
+            raise InputError(f"the local copy failed its check and {reason}, so it cannot be re-fetched",
                              file=root / name, fix="re-run with network access (unset HF_HUB_OFFLINE)")
         try:
             hf_hub_download(repo_id, name, revision=commit, local_dir=local_dir, force_download=True, token=token,
-                            tqdm_class=tqdm_class)
+                            tqdm_class=tqdm_class, cache_dir=how.cache, headers=guard.IDENTITY)
         except HUB_FAILURES as exc:
             raise translate(exc, where, offline, missing=[name], root=root) from exc
 
-    reports, hashed, seconds = _verify_all(root, wanted, verify_sha256, max_workers, refetch)
-    return DownloadResult(repo_id, revision or "main", commit, root, tuple(reports), offline, verify_sha256, hashed,
-                          seconds)
+    reports, hashed, seconds = _verify_all(root, wanted, how.verify_sha256, max_workers, refetch, how.cache)
+    return DownloadResult(repo_id, revision or "main", commit, root, tuple(reports), bool(offline), how.verify_sha256,
+                          hashed, seconds, reason if offline else None)
 
 
 # -- listing --------------------------------------------------------------------------------------------
@@ -209,8 +237,8 @@ def _validated(listing: dict[str, RemoteFile], source: str) -> dict[str, RemoteF
     return listing
 
 
-def _offline_expectations(repo_id: str, commit: str, local_dir: Path | None, root: Path, allow: list[str] | None,
-                          ignore: list[str] | None) -> dict[str, RemoteFile]:
+def _offline_expectations(repo_id: str, commit: str, local_dir: Path | None, root: Path,
+                          cache: Path) -> dict[str, RemoteFile]:
     """Offline, the hub cannot be asked: use our own record in DST, else the hub's cached tree, else the files."""
     if local_dir is not None and (record := _read_marker(local_dir)) and record.get("commit") == commit:
         try:
@@ -224,17 +252,17 @@ def _offline_expectations(repo_id: str, commit: str, local_dir: Path | None, roo
             # Sizes only: this view of the cached tree drops the LFS sha256, and for an LFS file blob_id
             # hashes its pointer, not its content.
             listing = _validated({f.path: RemoteFile(f.size) for f in get_cached_repo_tree(
-                repo_id, revision=commit, local_dir=local_dir)}, "the hub client's cached listing")
+                repo_id, revision=commit, local_dir=local_dir, cache_dir=cache)}, "the hub client's cached listing")
         except CachedRepoTreeNotFoundError:
             listing = {p.relative_to(root).as_posix(): RemoteFile() for p in sorted(root.rglob("*"))
                        if p.is_file() and ".cache" not in p.relative_to(root).parts}
-    return {n: listing[n] for n in filter_repo_objects(listing, allow_patterns=allow, ignore_patterns=ignore)}
+    return listing
 
 
 # -- verification ---------------------------------------------------------------------------------------
 
 def _verify_all(root: Path, wanted: dict[str, RemoteFile], verify_hash: bool, workers: int,
-                refetch) -> tuple[list[FileReport], int, float]:
+                refetch, cache: Path) -> tuple[list[FileReport], int, float]:
     """Check every file in parallel; re-fetch failures once; raise if any still fails (after deleting it)."""
     names = sorted(wanted)
     hashed, seconds, refetched = 0, 0.0, set()
@@ -252,7 +280,7 @@ def _verify_all(root: Path, wanted: dict[str, RemoteFile], verify_hash: bool, wo
         if not pending:
             break
         for name in pending:  # all of them first: a failed re-fetch must not leave another bad file behind
-            _discard(root / name)
+            _discard(root / name, cache)
         if attempt == REFETCH_ATTEMPTS:
             break
         for name in pending:
@@ -303,13 +331,13 @@ def _file_digest(path: Path, h) -> str:
     return h.hexdigest()
 
 
-def _discard(path: Path) -> None:
+def _discard(path: Path, cache: Path) -> None:
     """Remove a bad file (its name validated: inside the download root); in the HF cache the snapshot
     entry is a symlink, so remove its blob too, but only a blob in that repo's cache folder."""
     if path.is_symlink():
         blob = path.resolve()
         path.unlink()
-        blobs = Path(hf_constants.HF_HUB_CACHE).resolve()
+        blobs = cache.resolve()
         if blobs in blob.parents and blob.parent.name == "blobs":
             blob.unlink(missing_ok=True)
     else:
@@ -349,8 +377,3 @@ def _write_marker(dst: Path, repo_id: str, revision: str | None, commit: str, fi
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, path)
 
-
-def _as_list(patterns: list[str] | str | None) -> list[str] | None:
-    if patterns is None:
-        return None
-    return [patterns] if isinstance(patterns, str) else list(patterns)

@@ -43,6 +43,10 @@ _SIGNATURES = {
     **{f"ckpttool_packed_cols_{t}": ([_P, _I64, _I64, _I64, _I64, ctypes.c_int32, _P, _I64, _P, _P, _P, _P, _I64], None)
        for t in ("u16", "u32")},  # kernels/packed.py (GPTQ, AWQ), which checks their arguments
     **{f"ckpttool_packed_rows_{t}": ([_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64], None) for t in ("u16", "u32")},
+    "ckpttool_simd_level": ([], ctypes.c_int32),
+    "ckpttool_bnb4_u16": ([_P, _I64, _P, _P, _I64, ctypes.c_int32, ctypes.c_int32, _P], None),
+    "ckpttool_bnb4_u32": ([_P, _I64, _P, _P, _I64, _P], None),
+    "ckpttool_bnb8": ([_P, _I64, _P, _I64, _I64, ctypes.c_int32, ctypes.c_int32, _P, _I64], None),
 }
 _SUFFIX = {np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32", np.dtype(np.uint64): "u64"}
 
@@ -204,6 +208,41 @@ def grouped(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int
     fn = getattr(_load(), f"ckpttool_grouped_{_SUFFIX[tables.dtype]}_{kind}")
     fn(codes.ctypes.data, _rows(codes, np.uint8, "codes"), which.ctypes.data, which_stride, tables.ctypes.data,
        out.ctypes.data, _rows(out, tables.dtype, "out", (rows, width)), rows, width, group)
+
+
+_BNB_KIND = {"BF16": (0, np.uint16), "F16": (1, np.uint16), "F32": (2, np.uint32)}
+
+
+def simd() -> int:
+    """The instruction sets bnb.c may use: the CPU's (0 none, 1 SSSE3, 2 AVX2), capped by CKPTTOOL_SIMD (read on
+    every call, so the tests run each level)."""
+    return min(int(_load().ckpttool_simd_level()), int(os.environ.get("CKPTTOOL_SIMD", "2")))
+
+
+def bnb4(packed: np.ndarray, absmax: np.ndarray, code: np.ndarray, blocksize: int, out_dtype: str,
+         out: np.ndarray) -> None:
+    """kernels/bnb_cpu.dequant_4bit in C: packed [B] bytes -> out [2B] words; absmax covers every block."""
+    kind, word = _BNB_KIND[out_dtype]
+    _flat(packed, np.uint8, "packed")
+    _flat(code, np.float32, "code", 16)
+    _flat(out, word, "out", 2 * packed.shape[0])
+    if blocksize < 2 or blocksize % 2:
+        raise ValueError(f"bnb4: blocksize {blocksize} is not even")
+    _flat(absmax, np.float32, "absmax", -(-2 * packed.shape[0] // blocksize))
+    args = (packed.ctypes.data, packed.shape[0], absmax.ctypes.data, code.ctypes.data, blocksize)
+    if kind == 2:
+        _load().ckpttool_bnb4_u32(*args, out.ctypes.data)
+    else:
+        _load().ckpttool_bnb4_u16(*args, kind, simd(), out.ctypes.data)
+
+
+def bnb8(codes: np.ndarray, scb: np.ndarray, out_dtype: str, out: np.ndarray) -> None:
+    """kernels/bnb_cpu.dequant_int8 in C: int8 codes [rows, K] and scb [rows] -> out [rows, K] words."""
+    kind, word = _BNB_KIND[out_dtype]
+    rows, width = codes.shape
+    _flat(scb, np.float32, "scb", rows)
+    _load().ckpttool_bnb8(codes.ctypes.data, _rows(codes, np.int8, "codes"), scb.ctypes.data, rows, width, kind, simd(),
+                          out.ctypes.data, _rows(out, word, "out", (rows, width)))
 
 
 SCALED = Kernels(fp8_rows, int4_bf16, nvfp4, fp8_rows_plain, int4_bf16_pairs, int4_by_pairs, distinct16)

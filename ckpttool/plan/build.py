@@ -15,7 +15,7 @@ from ckpttool.io.checkpoint import Checkpoint, ShardFiles
 from ckpttool.io.layout import mp_file
 from ckpttool.plan import dequant as dequant_stage
 from ckpttool.plan import quantize as quantize_stage
-from ckpttool.plan.rewrite import files_to_copy, hf_index, rewrite_config
+from ckpttool.plan.rewrite import files_to_copy, floating_dtype, hf_index, rewrite_config
 from ckpttool.plan.shard import shard
 from ckpttool.plan.types import Plan, TensorPlan, layout
 
@@ -65,8 +65,8 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     tensors = [TensorPlan(name, s.info.dtype, s.info.shape, source=name, file=s.file)
                for name, s in sorted(ckpt.tensors.items())]
     rules = _declared_rules(ckpt)
-    dequant_stage.check_scales(tensors, ckpt, rules)
-    _check_against_config(tensors, family, cfg, ckpt, rules)
+    planned = dequant_stage.check_scales(tensors, ckpt, rules)
+    _check_against_config(tensors, family, cfg, ckpt, rules, planned)
     if not spec.dequant:
         dequant_stage.refuse_kept(tensors, rules, config_path)
     notes = [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
@@ -84,7 +84,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         raise PlanError(f"the quantize stage ({spec.quantize}) needs torch, which the core install leaves out",
                         file=config_path, fix="pip install 'ckpttool[quantize]'")
     if spec.dequant:
-        tensors, n_quant = dequant_stage.dequant(tensors, rules, spec.out_dtype)
+        tensors, n_quant = dequant_stage.dequant(tensors, rules, spec.out_dtype, planned)
         notes.append(f"dequantized {n_quant} quantized weights to {spec.out_dtype}" if n_quant else
                      "no quantized weights found: tensors are copied unchanged")
 
@@ -99,7 +99,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     input_order = sorted(ckpt.files)
     if spec.mp is None:
         files = layout(tensors, input_order)
-        index = hf_index(files)
+        index = hf_index(files, family.buffers)
         fmt = "hf"
     else:
         files_of = {t.name: str(ckpt.root / t.file) for t in tensors}
@@ -108,7 +108,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         index = None
         fmt = "mp"
 
-    config = rewrite_config(ckpt.config, dequant_to=spec.out_dtype if spec.dequant else None,
+    config = rewrite_config(ckpt.config, dequantized=spec.dequant, dtype=floating_dtype(tensors),
                             mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not keep_mtp,
                             explicit=family.explicit_config, source=ckpt.root / "config.json")
     if spec.quantize is not None:
@@ -132,12 +132,12 @@ def input_fingerprints(inputs: ShardFiles) -> dict[str, dict]:
     return {name: inputs.header_fingerprint(name) for name in sorted(inputs.files)}
 
 
-def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoint, rules) -> None:
+def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoint, rules, planned) -> None:
     """The tensors must be exactly what config.json describes: a contradiction means the wrong
     config, a partial download or a different model, and would otherwise surface much later."""
     expected = family.expected_for(cfg, True, n_tensors=len(tensors), source=ckpt.root / "config.json")
     # packed weights as the model tensors they stand for (their names and shapes are the format's)
-    tensors = dequant_stage.dequant(tensors, tuple(r for r in rules if not r.row.keepable))[0]
+    tensors = dequant_stage.dequant(tensors, tuple(r for r in rules if not r.row.keepable), planned=planned)[0]
     scales = dequant_stage.scale_names(tensors, rules)
     passed = family.keys(cfg).passes_through  # a wrapper's vision tower: carried as it is, not of the text model
     actual = {t.name: t for t in tensors if (t.name not in scales or t.name in expected) and not passed(t.name)}

@@ -5,7 +5,8 @@ with the converter llama.cpp ships (convert_hf_to_gguf.py), then evaluate it. Ru
     .venv-engines/bin/python tests/engines/llama_cpp_generate.py JOBS.json RESULTS.json
 
 A job is {"name", "model" (HF dir), "gguf" (path to write), "prompt" (ids), "new_tokens"}; each result is
-{"ids": [...]} or {"error": "...", "stage": "convert"|"run", "traceback": "..."}, written after every job.
+{"ids": [...]} or {"error": "...", "stage": "convert"|"run", "traceback": "..."}, written after every job; the
+first job that fails ends the process, and the caller runs the rest in a fresh one (as vllm_generate.py).
 
 The tiny test models carry no real tokenizer, and the converter insists on a known one (it hashes the
 pre-tokenizer's output): the model class's set_vocab is replaced by a byte-level BPE vocabulary of the
@@ -111,6 +112,8 @@ def main(jobs_path: str, results_path: str) -> None:
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
         print(f"llama.cpp: {job['name']}: {results[job['name']]}", flush=True)
+        if "error" in results[job["name"]]:
+            break
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ the slow part). Runs in the engines venv (scripts/install_engines.sh), never imp
 
     .venv-engines/bin/python tests/engines/vllm_generate.py JOBS.json RESULTS.json
 
-A job is {"name", "model" (HF dir), "prompt" (ids), "new_tokens", "llm_kwargs", "fallback_dtype"}; each
-result is {"ids": [...]} or {"error": "...", "traceback": "..."} (plus "fallback_ids" or "fallback_error":
-the same job in `fallback_dtype`, where a job names one), written after every job.
+A job is {"name", "model" (HF dir), "prompt" (ids), "new_tokens", "llm_kwargs", "dtype" (default float32)};
+each result is {"ids": [...]} or {"error": "...", "traceback": "..."}, written after every job. The first job
+that fails ends the process: what a failed model leaves behind in vLLM's process state must not decide the
+next job's result (a MiniMax-M2 that failed its router assert made the Mixtral after it fail), so the caller
+(tests/test_engines.py) runs the remaining jobs in a fresh process.
 """
 
 from __future__ import annotations
@@ -43,18 +45,15 @@ def main(jobs_path: str, results_path: str) -> None:
     results = {}
     for job in jobs:
         try:
-            results[job["name"]] = {"ids": generate(job)}
+            results[job["name"]] = {"ids": generate(job, job.get("dtype", "float32"))}
         except Exception as exc:  # reported per job; the test decides what it means
             results[job["name"]] = {"error": f"{type(exc).__name__}: {exc}"[:2000],
                                     "traceback": traceback.format_exc()[-6000:]}
-            if job.get("fallback_dtype"):  # what it does in a dtype it does accept (the test says why it asked)
-                try:
-                    results[job["name"]]["fallback_ids"] = generate(job, job["fallback_dtype"])
-                except Exception as again:
-                    results[job["name"]]["fallback_error"] = f"{type(again).__name__}: {again}"[:2000]
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
         print(f"vllm: {job['name']}: {results[job['name']]}", flush=True)
+        if "error" in results[job["name"]]:
+            break  # the rest in a fresh process (see the module docstring)
 
 
 if __name__ == "__main__":

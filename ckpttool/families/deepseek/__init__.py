@@ -35,6 +35,7 @@ FAMILY = Family(
     verifier=_verifier,
     mtp_config_key="num_nextn_predict_layers",
     explicit_config=spec.explicit_config,
+    buffers=("e_score_correction_bias",),  # a registered buffer in transformers' routers
     transformers_types={"kimi_k2": "deepseek_v3"},
     refused_types={t: _LARGE4 for t in ("mistral_large4", "mistral_large4_text")},
 )

@@ -172,6 +172,9 @@ class DeepseekConfig:
             raise InputError(f"{model_type} without q_lora_rank is not supported", file=source,
                              fix=f"transformers' {model_type} model always projects queries through q_lora_rank; "
                                  "use the config.json published with the checkpoint")
+        if cfg.n_routed_experts and not 0 < cfg.num_experts_per_tok <= cfg.n_routed_experts:
+            raise InputError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) is not in 1..{cfg.n_routed_experts} "
+                             "(n_routed_experts)", file=source, fix="use the config.json published with the checkpoint")
         return cfg
 
     def is_moe_layer(self, layer: int) -> bool:

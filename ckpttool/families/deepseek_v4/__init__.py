@@ -30,6 +30,8 @@ FAMILY = Family(
     verifier=_verifier,
     mtp_config_key="num_nextn_predict_layers",
     mtp_in_mp=True,
+    # buffers in transformers' DeepseekV4 routers, in either spelling (DeepSeek's `ffn.gate.bias`)
+    buffers=("e_score_correction_bias", "tid2eid", "gate.bias"),
     refused_types={"deepseek_v41": "DeepSeek-V4.1 (a text_config with KV and indexers shared across layers, "
                                    "compress ratios 1 and 2, Engram tables, DSpark stages, and a vision tower) "
                                    "has no implementation in transformers 5.24, verify's oracle, nor in "

@@ -24,6 +24,7 @@ FAMILY = Family(
     vocab_size=lambda cfg: cfg.vocab_size,
     check_mp=spec.check_mp,
     verifier=_verifier,
+    buffers=("e_score_correction_bias",),  # a registered buffer in transformers' router
     refused_types={spec.MODEL_TYPE: "MiniMax-M3's text model is read inside its multimodal checkpoint "
                                     "(minimax_m3_vl), under the hub's names; transformers' save of the text model "
                                     "alone fuses each MLP's gate_up_proj, which ckpttool does not split"},

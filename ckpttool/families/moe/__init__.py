@@ -28,4 +28,5 @@ FAMILY = Family(
     mtp_config_key="num_nextn_predict_layers",
     explicit_config=spec.explicit_config,
     quantize=True,
+    buffers=("e_score_correction_bias",),  # a registered buffer in transformers' routers
 )
