@@ -157,7 +157,6 @@ def test_a_tensor_is_journalled_only_once_every_run_of_its_rows_is_written(tiny_
     pieces, or --resume would skip rows never written; the resumed output equals a clean run's."""
     from ckpttool import faults
     from ckpttool.errors import OutputError
-    from ckpttool.execute import executor
     from ckpttool.plan.build import Spec
     from ckpttool.runner import ExecOptions, convert
 

@@ -30,6 +30,9 @@ _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 LINEAR = True
 """fourth column of a key-table row: a linear projection weight (see the module docstring)"""
+RANK0 = "rank 0"
+"""split of a part a table passes through (a multimodal wrapper's vision tower and projector): whole, on
+rank 0 only, under its HF name"""
 EXPERT = "expert"
 """split of a routed expert's tensors: whole, on the rank that owns the expert's contiguous range"""
 
@@ -76,10 +79,12 @@ class Mapped:
 
 class KeyMap:
     def __init__(self, rows: list[tuple], *, hf_scale_leaf: str | None = None,
-                 aliases: tuple[tuple[str, str], ...] = ()):
+                 aliases: tuple[tuple[str, str], ...] = (), passthrough: tuple[str, ...] = ()):
         """`hf_scale_leaf`: the leaf these checkpoints give every weight's scale (`X.<leaf>`), where it is
         not the format table's own (DeepSeek-V4 names it `X.scale` where V3 says `X.weight_scale_inv`).
-        `aliases`: (another spelling, a row's HF template) pairs (see the module docstring)."""
+        `aliases`: (another spelling, a row's HF template) pairs (see the module docstring).
+        `passthrough`: name prefixes of parts carried unchanged (RANK0), e.g. a wrapper's vision tower."""
+        self._hf_scale_leaf, self.passthrough, self._alias_pairs = hf_scale_leaf, tuple(passthrough), tuple(aliases)
         companions = COMPANIONS if hf_scale_leaf is None else tuple(replace(c, hf_leaf=hf_scale_leaf)
                                                                     for c in COMPANIONS)
         self.rows = [KeyRow(*r) for r in rows]
@@ -104,10 +109,10 @@ class KeyMap:
             self._aliases[_shape_key(alias)] = (alias, hf)
 
     def to_native(self, hf_name: str) -> Mapped | None:
-        return self._translate(hf_name, self._by_hf, forward=True)
+        return self._passed(hf_name) or self._translate(hf_name, self._by_hf, forward=True)
 
     def to_hf(self, native_name: str) -> Mapped | None:
-        return self._translate(native_name, self._by_native, forward=False)
+        return self._passed(native_name) or self._translate(native_name, self._by_native, forward=False)
 
     def canonical(self, hf_name: str) -> str | None:
         """The row's HF name of a tensor spelled as one of the table's aliases (None: not an alias)."""
@@ -120,6 +125,23 @@ class KeyMap:
     def is_linear(self, hf_name: str) -> bool:
         row = self._by_hf.get(_shape_key(hf_name))
         return row is not None and row.linear
+
+    def passes_through(self, name: str) -> bool:
+        """A name under one of the `passthrough` prefixes: carried unchanged, whole, on rank 0."""
+        return any(name.startswith(p) for p in self.passthrough)
+
+    def renamed(self, hf_name, passthrough: tuple[str, ...] = ()) -> "KeyMap":
+        """This table with every HF template renamed by `hf_name` (str -> str: a wrapper's prefix on its text
+        tower; the native side is unchanged), its aliases renamed alike, the same scale leaf, and `passthrough`
+        prefixes of its own."""
+        rows = [(hf_name(r.hf), r.native, r.split, r.linear) for r in self.rows if r.companion is None]
+        aliases = tuple((hf_name(a), hf_name(h)) for a, h in self._alias_pairs)
+        return KeyMap(rows, hf_scale_leaf=self._hf_scale_leaf, aliases=aliases, passthrough=passthrough)
+
+    def _passed(self, name: str) -> Mapped | None:
+        if not self.passes_through(name):
+            return None
+        return Mapped(name, RANK0, {}, KeyRow(name, name, RANK0))
 
     @staticmethod
     def _translate(name: str, table: dict[str, KeyRow], *, forward: bool) -> Mapped | None:

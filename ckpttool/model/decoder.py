@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckpttool.errors import InputError
-from ckpttool.model.norms import RMSNorm
+from ckpttool.model.norms import GemmaRMSNorm, RMSNorm
 from ckpttool.model.parallel import Linear, ParallelContext, ParallelEmbedding
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -54,6 +54,10 @@ class DecoderShape:
     lm_head_bias: bool = False
     attention_chunks: tuple[int | None, ...] = ()
     """per layer: attention only within aligned chunks of this many positions (Llama-4); empty: none"""
+    gemma_norms: bool = False  # every RMSNorm scales by 1 + weight (model/norms.GemmaRMSNorm: MiniMax-M3)
+
+    def norm(self, dim: int, dtype: torch.dtype) -> RMSNorm:
+        return (GemmaRMSNorm if self.gemma_norms else RMSNorm)(dim, self.norm_eps, dtype)
 
     @property
     def rotary_dim(self) -> int:
@@ -113,18 +117,25 @@ class DenseLinear(Linear):
 
 class FeedForward(nn.Module):
     """SwiGLU MLP (w1 gate, w3 up, w2 down). With `ctx` it is tensor-parallel (w1/w3 column, w2 row,
-    all-reduced); without, it is whole on this rank (a routed expert)."""
+    all-reduced); without, it is whole on this rank (a routed expert). `swiglu` (alpha, limit): gpt-oss's
+    clamped activation instead of SiLU, (up + 1) * gate * sigmoid(alpha * gate) (MiniMax-M3)."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, fp8: bool, *, ctx: ParallelContext | None,
-                 bias: bool = False):
+                 bias: bool = False, swiglu: tuple[float, float] | None = None):
         super().__init__()
         local = inter if ctx is None else ctx.split(inter, "intermediate_size")
         self.w1 = DenseLinear(hidden, local, dtype, fp8, bias)
         self.w3 = DenseLinear(hidden, local, dtype, fp8, bias)
         self.w2 = DenseLinear(local, hidden, dtype, fp8, bias, row_ctx=ctx)
+        self.swiglu = swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w1(x), self.w3(x)
+        if self.swiglu is None:
+            return self.w2(F.silu(gate) * up)
+        alpha, limit = self.swiglu
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return self.w2((up + 1.0) * (gate * torch.sigmoid(gate * alpha)))
 
 
 class ParallelRMSNorm(RMSNorm):
@@ -192,8 +203,8 @@ class Attention(nn.Module):
         self.qk_norm, self.interleaved = s.qk_norm, s.rope_interleaved
         self.register_parameter("sinks", None)  # a family's attention may give each local head a sink logit
         if s.qk_norm == "head":
-            self.q_norm = RMSNorm(d, s.norm_eps, dtype)
-            self.k_norm = RMSNorm(d, s.norm_eps, dtype)
+            self.q_norm = s.norm(d, dtype)
+            self.k_norm = s.norm(d, dtype)
         elif s.qk_norm == "full":
             self.q_norm = ParallelRMSNorm(self.n_heads * d, s.heads * d, s.norm_eps, dtype, ctx)
             self.k_norm = ParallelRMSNorm(self.n_kv_heads * d, s.kv_heads * d, s.norm_eps, dtype, ctx)
@@ -246,9 +257,9 @@ class Block(nn.Module):
     def __init__(self, s: DecoderShape, ctx: ParallelContext, dtype: torch.dtype, feed_forward: nn.Module,
                  attention: nn.Module | None = None):
         super().__init__()
-        self.attention_norm = RMSNorm(s.hidden_size, s.norm_eps, dtype)
+        self.attention_norm = s.norm(s.hidden_size, dtype)
         self.attention = Attention(s, ctx, dtype) if attention is None else attention
-        self.ffn_norm = RMSNorm(s.hidden_size, s.norm_eps, dtype)
+        self.ffn_norm = s.norm(s.hidden_size, dtype)
         self.feed_forward = feed_forward
 
     def forward(self, x, start_pos, cos, sin, mask):
@@ -268,7 +279,7 @@ class Decoder(nn.Module):
         self.tok_embeddings = ParallelEmbedding(ctx, s.vocab_size, s.hidden_size, dtype)
         self.layers = nn.ModuleList(Block(s, ctx, dtype, feed_forward(i), None if attention is None else attention(i))
                                     for i in range(s.num_layers))
-        self.norm = RMSNorm(s.hidden_size, s.norm_eps, dtype)
+        self.norm = s.norm(s.hidden_size, dtype)
         local_vocab = ctx.split(s.vocab_size, "vocab_size")
         if not s.tie_word_embeddings:
             self.output = Linear(s.hidden_size, local_vocab, dtype)

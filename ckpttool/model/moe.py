@@ -1,7 +1,8 @@
 """Routed experts as the MoE families compute them: a router (softmax or sigmoid scores, an optional
 correction bias and group limit for the choice, top-k, weights from the unbiased scores), whole experts
 on the rank owning a contiguous range (expert parallel, partial sums all-reduced), and optional shared
-experts (tensor parallel) with an optional sigmoid gate (Qwen2-MoE).
+experts (tensor parallel) with an optional sigmoid gate (Qwen2-MoE); experts and shared experts take the
+clamped gpt-oss activation where `swiglu` says so (MiniMax-M3).
 
 Parameter names: `gate.weight` (router), `gate.bias` (correction bias), `experts.{e}.w1/w2/w3` with the
 global expert index, `shared_experts.w1/w2/w3`, `shared_expert_gate.weight`.
@@ -72,15 +73,16 @@ class MoE(nn.Module):
     """Routed experts by contiguous ranges across ranks plus shared experts; routed sums all-reduced."""
 
     def __init__(self, r: Routing, hidden: int, expert_inter: int, ctx: ParallelContext, dtype: torch.dtype,
-                 fp8: bool, *, shared_inter: int = 0, shared_gate: bool = False, shared_bias: bool = False):
+                 fp8: bool, *, shared_inter: int = 0, shared_gate: bool = False, shared_bias: bool = False,
+                 swiglu: tuple[float, float] | None = None):
         super().__init__()
         self.ctx = ctx
         n_local = ctx.split(r.experts, "the routed expert count")
         first = ctx.rank * n_local
         self.gate = Router(r, hidden, dtype)
-        self.experts = nn.ModuleDict({str(e): FeedForward(hidden, expert_inter, dtype, fp8, ctx=None)
+        self.experts = nn.ModuleDict({str(e): FeedForward(hidden, expert_inter, dtype, fp8, ctx=None, swiglu=swiglu)
                                       for e in range(first, first + n_local)})
-        self.shared_experts = (FeedForward(hidden, shared_inter, dtype, fp8, ctx=ctx, bias=shared_bias)
+        self.shared_experts = (FeedForward(hidden, shared_inter, dtype, fp8, ctx=ctx, bias=shared_bias, swiglu=swiglu)
                                if shared_inter else None)
         self.shared_expert_gate = Linear(hidden, 1, dtype) if shared_gate else None
 

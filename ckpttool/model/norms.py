@@ -1,4 +1,4 @@
-"""RMSNorm as transformers computes it for Llama, Qwen and DeepSeek (gpt-oss has its own order)."""
+"""RMSNorm as transformers computes it for Llama, Qwen and DeepSeek (gpt-oss has its own order), and Gemma's."""
 
 from __future__ import annotations
 
@@ -18,3 +18,12 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm (MiniMax-M3's): normalise and scale by 1 + weight, both in float32, then cast."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
