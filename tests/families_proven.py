@@ -140,7 +140,7 @@ PROVEN: tuple[Proven, ...] = (
            "`routed_scaling_factor`, partial rotary, qkv biases; MTP dropped by default, `--keep-mtp` output "
            "verifies (MTP skipped, said so)",
            ("test_moe.py::test_shard_then_verify_gives_transformers_greedy_tokens",
-            "test_moe.py::test_glm_mtp_layer_is_dropped_by_default_and_kept_shards_verify")),
+            "test_moe.py::test_mtp_layer_is_dropped_by_default_and_kept_shards_verify")),
     Proven("DeepSeek-V4 (`deepseek_v4`), BF16, in DeepSeek's names or transformers 5.24's save_pretrained's; and "
            "as published: FP8 with E8M0 `.scale` per 128x128 block (V4.1: 32x32) beside MXFP4 routed experts "
            "(`expert_dtype: fp4`)", ("deepseek_v4",),
