@@ -18,6 +18,9 @@ _starting.ckpttool_startup = True  # cli.main() may take a signal this handler h
 
 
 def main() -> None:
+    from ckpttool.settings import library_defaults
+
+    library_defaults()  # before numpy and pydantic load (ckpttool/settings.py says why)
     for signum, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
         if signal.getsignal(signum) is default:  # never where the caller ignores or handles it
             signal.signal(signum, _starting)

@@ -37,19 +37,19 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def workers() -> int:
+def workers(n: int | None = None) -> int:
     """One worker per usable core up to 12; beyond that, every core but 4; at most 16. Each worker runs
     its transforms on one core. With a worker on every core of the 16-core device the manifest's hashes
     (a thread per output file) fell behind, re-read what they missed from the page cache and held the
     end of the run: 12 workers took 0.80-0.95x the wall time of 16 there. On 4 and 8 of its cores, one
     worker fewer per four cores was 15-21% slower, so small machines keep a worker per core
     (bench/RESULTS.md)."""
-    n = cores()
+    n = cores() if n is None else n
     return max(1, min(MAX_WORKERS, max(min(n, 12), n - 4)))
 
 
 def layout(files: int, total_workers: int | None = None, processes: int | None = None, *, can_split: bool = True,
-           to_memory: bool = True) -> tuple[int, int]:
+           to_memory: bool = True, share: int = 1) -> tuple[int, int]:
     """(processes, workers in each) for a run writing `files` output files: execution.processes and
     execution.workers (--processes, --workers: a total), each None for the default.
 
@@ -60,13 +60,14 @@ def layout(files: int, total_workers: int | None = None, processes: int | None =
     Linux) and writes `to_memory` (tmpfs) forks one process per CORES_PER_PROCESS cores, at most one per
     output file, and the workers default to one per core in all; otherwise it stays one process with
     workers(). Onto that machine's disk (1.3-1.8 GB/s) four processes took 1.14-1.24x the time of one, so a
-    disk gets them only when asked. A split never changes the bytes: each process writes whole files."""
-    n = cores()
+    disk gets them only when asked. A split never changes the bytes: each process writes whole files. `share`:
+    how many torchrun ranks of this node share its cores (each lays out its part alike)."""
+    n = max(1, cores() // share)
     if processes is None:
         processes = min(MAX_PROCESSES, n // CORES_PER_PROCESS) if n >= FORK_FROM_CORES and to_memory else 1
     processes = max(1, min(processes, files)) if can_split else 1
     if processes == 1:
-        return 1, total_workers or workers()
+        return 1, total_workers or workers(n)
     return processes, max(1, (total_workers or min(n, MAX_WORKERS * processes)) // processes)
 
 

@@ -11,7 +11,9 @@ import os
 import signal
 import threading
 
-_spec = os.environ.get("CKPTTOOL_FAULT")
+from ckpttool import settings
+
+_spec = settings.get("CKPTTOOL_FAULT")  # read once: a run's failpoint is armed as the process starts
 _target = None
 _rank = None
 if _spec:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ckpttool import defaults
 from ckpttool.errors import CkptError, InputError, OutputError, RecipeError
-from ckpttool.execute.distributed import Group, assign_files, world
+from ckpttool.execute.distributed import Group, assign_files, local_world_size, world
 from ckpttool.execute.executor import execute
 from ckpttool.execute.forked import ForkedRanks, layout, rank_share
 from ckpttool.execute.osutil import in_memory_fs
@@ -327,21 +327,24 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
             return RunResult(plan, dst, time.monotonic() - started, 0, already_complete=True)
         if staging is None:  # a rank > 0 joins what rank 0 set up
             staging = Staging(dst, plan, resume=True, rank=group.rank, timings=clock, inputs=inputs.fingerprint())
-        mine = assign_files(plan, group.world_size)[group.rank] if group.world_size > 1 else None
-        device, processes, workers = layout(plan, opts.device, opts.workers, opts.processes,
-                                            one_process=streamed or group.world_size > 1, to_memory=in_memory_fs(dst))
+        # under torchrun this rank's share of the files, which it splits over forked processes as one machine does
+        rank_files = assign_files(plan, group.world_size)[group.rank] if group.world_size > 1 else None
+        device, processes, workers = layout(plan, opts.device, opts.workers, opts.processes, one_process=streamed,
+                                            to_memory=in_memory_fs(dst), files=rank_files, share=local_world_size())
+        mine = rank_files
         ranks: ForkedRanks | None = None
         ok = False
         try:
             if processes > 1:  # before this process starts a thread (staging.open_files starts the hashes)
-                shares = assign_files(plan, processes)
+                shares = assign_files(plan, processes, among=rank_files)
                 mine = shares[0]
+                tag = f"{group.rank}." if group.world_size > 1 else ""
                 ranks = ForkedRanks(processes, rank_share(staging, plan, inputs, shares, device, workers,
-                                                          opts.max_memory // processes, opts.chunk_bytes),
+                                                          opts.max_memory // processes, opts.chunk_bytes, tag),
                                     dst / PARTIAL_DIR)
             staging.open_files(mine)
             resumed = len(staging.done)
-            counted = mine if ranks is None else None  # the progress shown is of every rank's files
+            counted = rank_files  # the progress shown is of this node's files, forked processes' too
             todo = sum(p.end - p.start for f in plan.files if f.name not in staging.published
                        and (counted is None or f.name in counted)
                        for p in f.tensors if (f.name, p.tensor.name) not in staging.done)

@@ -63,7 +63,7 @@ def test_moe_outputs_state_what_transformers_reads(tmp_path, model_type):
         if name in stripped and hasattr(ours, name):
             assert value == getattr(ours, name), name
     assert out["rope_theta"] == ours.rope_parameters["rope_theta"]
-    assert out["num_experts_per_tok"] == ours.num_experts_per_tok
+    assert out[moe_spec.TYPES[model_type].top_k[0]] == ours.num_experts_per_tok  # ERNIE's own name: moe_k
     for name, value in moe_spec.TYPES[model_type].hard_coded_routing.items():
         assert out[name] == value, name
     if model_type in ("qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"):
@@ -138,10 +138,11 @@ def _index_written_by_transformers(model, where) -> dict:
     return json.loads((where / "model.safetensors.index.json").read_text())["metadata"]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "glm4_moe", "minimax_m2", "mixtral"])
+@pytest.mark.parametrize("model_type", ["llama", "glm4_moe", "minimax_m2", "mixtral", "ernie4_5_moe"])
 def test_index_total_parameters_is_what_transformers_writes(tmp_path, model_type):
     """transformers 5 writes `total_parameters` (model.num_parameters(): buffers such as GLM's and MiniMax-M2's
-    router correction bias left out) beside `total_size`; merge's index says the same of the same model."""
+    router correction bias left out, ERNIE's, a parameter, counted) beside `total_size`; merge's index says the
+    same of the same model."""
     from dense_models import build_hf
 
     spec = None if model_type == "llama" else {**_MOE_BASE, **MOE[model_type]}

@@ -157,7 +157,6 @@ def test_a_tensor_is_journalled_only_once_every_run_of_its_rows_is_written(tiny_
     pieces, or --resume would skip rows never written; the resumed output equals a clean run's."""
     from ckpttool import faults
     from ckpttool.errors import OutputError
-    from ckpttool.execute import executor
     from ckpttool.plan.build import Spec
     from ckpttool.runner import ExecOptions, convert
 
@@ -165,7 +164,7 @@ def test_a_tensor_is_journalled_only_once_every_run_of_its_rows_is_written(tiny_
         return convert(tiny_v3, dst, Spec(dequant=True, mp=2), ExecOptions(quiet=True, chunk_bytes=1024, workers=3, **kw))
 
     run(tmp_path / "clean")
-    monkeypatch.setattr(executor, "COMMIT_EVERY_BYTES", 1)  # journal every finished tensor at once
+    monkeypatch.setenv("CKPTTOOL_JOURNAL_BYTES", "1")  # journal every finished tensor at once
     monkeypatch.setattr(faults, "_counts", {})
     monkeypatch.setattr(faults, "_target", ("pwrite", 1100, "enospc"))
     with pytest.raises(OutputError, match="no space left"):

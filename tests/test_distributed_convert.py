@@ -3,6 +3,7 @@ the published result is byte-identical to a single-process run."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +28,22 @@ def test_torchrun_output_is_byte_identical(tiny_v3, tmp_path, nproc, args):
     assert _tree(tmp_path / "multi") == _tree(tmp_path / "single")
     journals = sorted(p.name for p in (tmp_path / "multi").rglob("journal*"))
     assert journals == []  # staging removed after publish
+
+
+@pytest.mark.parametrize("nproc, processes", [(2, 2), (3, 2)])
+def test_torchrun_ranks_split_their_share_over_forked_processes(tiny_v3, tmp_path, nproc, processes):
+    """Each rank forks as one machine does (issue 43): a rank of one Python process keeps few cores busy. Every
+    process, of every rank, writes whole files with a journal of its own: the same bytes."""
+    run_cli("convert", tiny_v3, tmp_path / "single", "--mp", "4", "--quiet")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         "-m", "ckpttool", "convert", str(tiny_v3), str(tmp_path / "multi"), "--mp", "4", "--json", "--workers", "2",
+         "--processes", str(processes)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)  # rank 0's
+    assert report["processes"] == processes, report
+    assert _tree(tmp_path / "multi") == _tree(tmp_path / "single")
 
 
 def test_torchrun_setup_error_reaches_every_rank(tiny_v3, tmp_path):

@@ -1,4 +1,4 @@
-"""MoE families with Llama-style attention (qwen2_moe, qwen3_moe, mixtral, olmoe, glm4_moe, minimax_m2):
+"""MoE families with Llama-style attention (qwen2_moe, qwen3_moe, mixtral, olmoe, glm4_moe, minimax_m2, ernie4_5_moe):
 inspect, plan, shard --mp N, merge back byte-identical, and verify giving transformers' own greedy tokens.
 
 Inputs are tiny checkpoints saved by transformers 5 itself, with non-trivial norms, biases and router
@@ -25,7 +25,9 @@ _BASE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_
              tie_word_embeddings=False)
 # Each tiny model differs where its family differs: GQA against MHA, dense layers among MoE ones, shared
 # experts and their gate, sigmoid routing with a correction bias and expert groups, partial rotary,
-# q/k norms per head and across all heads, qkv biases, clip_qkv, a non-default rope_theta.
+# q/k norms per head and across all heads, qkv biases, clip_qkv, a non-default rope_theta; ERNIE's MoE layers
+# between a start and an end index, interleaved rope, biases on every projection and on the tied head, and its
+# router bias stored [1, experts].
 TINY = {
     "qwen3_moe": dict(cls="Qwen3MoeForCausalLM", config="Qwen3MoeConfig", num_key_value_heads=2, head_dim=32,
                       intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -44,6 +46,9 @@ TINY = {
                      attention_bias=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0),
     "minimax_m2": dict(cls="MiniMaxM2ForCausalLM", config="MiniMaxM2Config", num_key_value_heads=2, head_dim=16,
                        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8),
+    "ernie4_5_moe": dict(cls="Ernie4_5_MoeForCausalLM", config="Ernie4_5_MoeConfig", num_key_value_heads=2,
+                         intermediate_size=96, moe_intermediate_size=32, moe_num_experts=8, moe_k=2,
+                         moe_num_shared_experts=1, moe_layer_end_index=1, use_bias=True, tie_word_embeddings=True),
 }
 
 
@@ -64,10 +69,17 @@ def test_every_moe_type_has_a_tiny_model():
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
 def test_config_defaults_are_the_transformers_class_defaults(model_type):
-    defaults = transformers.CONFIG_MAPPING[model_type]()
+    """What a config.json that leaves a field out means: what an instance of the class holds, or the class's
+    declared default where the reader derives the rest as __post_init__ does (ERNIE's moe_layer_end_index = -1,
+    the last layer)."""
+    import dataclasses
+
+    cls = transformers.CONFIG_MAPPING[model_type]
+    declared = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    defaults = cls()
     row = spec.TYPES[model_type]
     for field, value in row.defaults.items():
-        assert getattr(defaults, field) == value, field
+        assert value in (getattr(defaults, field), declared.get(field, dataclasses.MISSING)), field
     assert row.default_theta == defaults.rope_parameters["rope_theta"]
     assert (row.partial_rotary or 1.0) == defaults.rope_parameters.get("partial_rotary_factor", 1.0)
 
@@ -155,8 +167,9 @@ def test_conflicting_expert_counts_are_refused(moe_hf, tmp_path):
 
 
 def _with_mtp_layer(hf, dst):
-    """GLM-4.5 as published: one MTP layer after the main ones (transformers neither builds nor saves it),
-    a full MoE layer plus DeepSeek-style enorm/hnorm/eh_proj/embed_tokens/shared_head."""
+    """The checkpoint as published, with one MTP layer (transformers neither builds nor saves it): GLM-4.5's
+    is a full MoE layer after the main ones plus DeepSeek-style enorm/hnorm/eh_proj/embed_tokens/shared_head;
+    ERNIE-4.5's a dense `model.mtp_block.0` plus `mtp_emb_norm`, `mtp_hidden_norm` and `mtp_linear_proj`."""
     import shutil
 
     shutil.copytree(hf, dst)
@@ -175,16 +188,21 @@ def _with_mtp_layer(hf, dst):
     return dst
 
 
-def test_glm_mtp_layer_is_dropped_by_default_and_kept_shards_verify(moe_hf, tmp_path):
-    hf, ids, _ = moe_hf["glm4_moe"]
-    src = _with_mtp_layer(hf, tmp_path / "glm_mtp")
+@pytest.mark.parametrize("model_type, mtp_names", [
+    ("glm4_moe", ("layers.3.eh_proj.weight", "layers.3.feed_forward.experts.7.w2.weight")),
+    ("ernie4_5_moe", ("mtp.0.eh_proj.weight", "mtp.0.enorm.weight", "mtp.0.feed_forward.w2.bias",
+                      "mtp.0.attention.wq.weight"))])
+def test_mtp_layer_is_dropped_by_default_and_kept_shards_verify(moe_hf, tmp_path, model_type, mtp_names):
+    hf, ids, _ = moe_hf[model_type]
+    src = _with_mtp_layer(hf, tmp_path / "with_mtp")
     run_cli("shard", src, tmp_path / "dropped", "--mp", 2, "--quiet")
     assert json.loads((tmp_path / "dropped" / "config.json").read_text())["num_nextn_predict_layers"] == 0
-    assert not any(n.startswith("layers.3.") for n in load_dir(tmp_path / "dropped")["model0-mp2.safetensors"])
+    dropped = load_dir(tmp_path / "dropped")
+    assert not any(n.startswith(("layers.3.", "mtp.")) for f in dropped.values() for n in f)
 
     run_cli("shard", src, tmp_path / "kept", "--mp", 2, "--keep-mtp", "--quiet")
     kept = load_dir(tmp_path / "kept")["model1-mp2.safetensors"]
-    assert "layers.3.eh_proj.weight" in kept and "layers.3.feed_forward.experts.7.w2.weight" in kept
+    assert all(n in kept for n in mtp_names), sorted(n for n in kept if n.startswith(("layers.3.", "mtp.")))
     report = run_verify(tmp_path / "kept", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=src)
     assert report.ok, report.render(tmp_path / "kept")
     assert report.generated_ids == ids
@@ -195,24 +213,27 @@ def test_glm_mtp_layer_is_dropped_by_default_and_kept_shards_verify(moe_hf, tmp_
     assert original.keys() == merged.keys() and all(torch.equal(original[n], merged[n]) for n in original)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_stacked_experts_read_as_per_expert_and_verify(moe_hf, tmp_path, model_type):
-    """transformers 5's stacked experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]),
-    also for Mixtral whose per-expert names are `block_sparse_moe.experts.E.w1`: the shards are the
-    per-expert checkpoint's, and verify (against transformers on the stacked checkpoint) passes."""
-    import shutil
+def _transformers_own_form(hf, dst):
+    """The checkpoint as transformers 5 saves it with save_original_format=False: its own module names
+    (Mixtral's and MiniMax-M2's router at `mlp.gate`, their correction bias at `mlp.e_score_correction_bias`,
+    ERNIE's under `mlp.gate.moe_statics`) and stacked experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj`
+    [E, H, I])."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16)
+    model.save_pretrained(dst, save_original_format=False)
+    return dst
 
-    from safetensors.torch import save_file
 
-    from dense_models import stack_experts
-
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "minimax_m2", "ernie4_5_moe"])
+def test_transformers_own_form_reads_as_the_published_one_and_verifies(moe_hf, tmp_path, model_type):
+    """Stacked experts and transformers' own names read as the published checkpoint's: the shards hold the
+    published checkpoint's values, and verify (against transformers on the stacked checkpoint) passes."""
     hf, ids, _ = moe_hf[model_type]
-    stacked = tmp_path / "stacked"
-    shutil.copytree(hf, stacked)
-    block, leaves = ("block_sparse_moe", ("w1", "w3", "w2")) if model_type == "mixtral" else ("mlp", spec.QWEN_LEAVES)
-    tensors = stack_experts(load_file(str(hf / "model.safetensors")), 4 if model_type == "mixtral" else 8, block, leaves)
-    assert "model.layers.2.mlp.experts.gate_up_proj" in tensors
-    save_file(tensors, str(stacked / "model.safetensors"), metadata={"format": "pt"})
+    stacked = _transformers_own_form(hf, tmp_path / "stacked")
+    saved = load_file(str(stacked / "model.safetensors"))
+    row, cfg = spec.TYPES[model_type], spec.MoeConfig.from_dict(json.loads((hf / "config.json").read_text()))
+    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    assert f"model.layers.{layer}.mlp.experts.gate_up_proj" in saved
+    assert all(f"model.layers.{layer}.{own}" in saved for own, _ in row.transformers_names)
 
     plan = json.loads(run_cli("plan", stacked, "--mp", 2, "--json").stdout)
     assert any("stacked expert tensors" in n for n in plan["notes"])
@@ -221,11 +242,29 @@ def test_stacked_experts_read_as_per_expert_and_verify(moe_hf, tmp_path, model_t
     a, b = load_dir(tmp_path / "from_stacked"), load_dir(tmp_path / "from_experts")
     assert a.keys() == b.keys()
     for f in a:
-        assert a[f].keys() == b[f].keys() and all(torch.equal(a[f][n], b[f][n]) for n in a[f]), f
+        assert a[f].keys() == b[f].keys(), f
+        for n in a[f]:  # equal values (transformers saves what it keeps in float32, ERNIE's router, as F32)
+            assert torch.equal(a[f][n].float(), b[f][n].float()), n
     report = run_verify(tmp_path / "from_stacked", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu",
                         reference=stacked)
     assert report.ok, report.render(tmp_path / "from_stacked")
     assert report.generated_ids == ids
+
+
+def test_two_spellings_of_one_tensor_are_refused(moe_hf, tmp_path):
+    """A checkpoint holding Mixtral's router both as transformers names it and as published is ambiguous."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    hf = moe_hf["mixtral"][0]
+    shutil.copytree(hf, tmp_path / "bad")
+    tensors = load_file(str(hf / "model.safetensors"))
+    tensors["model.layers.0.mlp.gate.weight"] = tensors["model.layers.0.block_sparse_moe.gate.weight"].clone()
+    save_file(tensors, str(tmp_path / "bad" / "model.safetensors"), metadata={"format": "pt"})
+    proc = run_cli("plan", tmp_path / "bad", "--mp", 2, check=False)
+    assert proc.returncode != 0
+    assert "holds both 'model.layers.0.block_sparse_moe.gate.weight' and 'model.layers.0.mlp.gate.weight'" in proc.stderr
 
 
 def test_stacked_experts_of_the_wrong_count_are_refused(moe_hf, tmp_path):
@@ -282,3 +321,10 @@ def test_quantize_takes_every_linear_projection_of_the_types_own_table(moe_hf, m
     attention = {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(cfg.num_hidden_layers) for p in "qkvo"}
     assert experts <= quantized and attention <= quantized, sorted(experts - quantized)[:3]
     assert not {n for n in quantized if "norm" in n or "gate.weight" in n or "embed" in n or "lm_head" in n}
+
+
+def test_longcat_flash_is_refused_with_the_reason():
+    from ckpttool.families.table import family_for
+
+    with pytest.raises(Exception, match="LongCat-Flash's layers .* zero \\(identity\\) experts\\) are not implemented"):
+        family_for({"model_type": "longcat_flash"})

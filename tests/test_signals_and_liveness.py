@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,6 +106,9 @@ def test_a_signal_while_the_cli_is_imported_is_one_line_not_a_traceback(tiny_v3,
         time.sleep(0.05 * i)
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
+        if "Traceback" in err and not re.search(r'File "[^"]*/ckpttool/', err):
+            outcomes.add("interpreter")  # the signal came while Python itself started (site), before any of ours
+            continue
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, (i, err)
         if proc.returncode == 0:  # the run was over (output published) before the signal came
             assert (tmp_path / f"o{i}" / MANIFEST).exists(), (i, err)

@@ -10,21 +10,13 @@ import signal
 import sys
 import threading
 
-# Before numpy loads: its OpenBLAS starts a thread per core that spins for work ckpttool never gives
-# it (no CPU path here calls BLAS; verify's torch has its own MKL threads). On the 2-core box they
-# took 7% of a shard's CPU time (3% of its wall). A value the user set is kept.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-# pydantic validates only our own recipes here, and its plugin lookup reads every installed package's
-# entry points when the first model is built: 0.05-0.15 s of each run's start in the H100 machine's
-# environment of 197 packages (bench/RESULTS.md). A value the user set is kept.
-os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+import click
+import typer
 
-import click  # noqa: E402
-import typer  # noqa: E402
-
-from ckpttool.cli.app import app  # noqa: E402
-from ckpttool.errors import CkptError, Stopped, check_stop, forget_stops, printable, stop  # noqa: E402
-from ckpttool.execute.staging import disk_error  # noqa: E402
+from ckpttool import settings
+from ckpttool.cli.app import app
+from ckpttool.errors import CkptError, Stopped, check_stop, forget_stops, printable, stop
+from ckpttool.execute.staging import disk_error
 
 JOURNALLED = ("a conversion's finished work stays journalled in DST/.ckpttool-partial\n"
               "  fix: rerun the same command with --resume to continue it (or delete that directory to discard it)")
@@ -95,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     `ckpttool -v ...` (then it re-raises).
     Returns the exit code when called with argv (tests); with --json the error is also JSON on stdout."""
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = os.environ.get("CKPTTOOL_DEBUG") == "1" or args[:1] in (["-v"], ["--verbose"])
+    debug = settings.get("CKPTTOOL_DEBUG") or args[:1] in (["-v"], ["--verbose"])
     owned_defaults = ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))
     owned = [(signum, signal.getsignal(signum)) for signum, default in owned_defaults
              if threading.current_thread() is threading.main_thread() and _owned(signum, default)]

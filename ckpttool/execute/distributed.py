@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+from ckpttool import settings
 from ckpttool.errors import CkptError
 from ckpttool.plan.types import Plan
 
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """what torchrun sets in every process it launches: all of them, or this is not a torchrun launch"""
-JOIN_TIMEOUT_S = float(os.environ.get("CKPTTOOL_JOIN_TIMEOUT_S", 300))
-"""how long a rank waits for the others to join (they start within seconds under torchrun)"""
 RUN_TIMEOUT = timedelta(hours=12)
 """barriers after joining: a fast rank waits for the slowest rank's share of the files"""
 
@@ -42,16 +41,27 @@ def _join_error(exc: Exception) -> CkptError:
     seen = ", ".join(f"{v}={os.environ.get(v)}" for v in TORCHRUN_VARS)
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
     return CkptError(f"rank {os.environ.get('RANK')} could not join the other torchrun ranks within "
-                     f"{JOIN_TIMEOUT_S:.0f} s ({first})",
+                     f"{settings.get('CKPTTOOL_JOIN_TIMEOUT_S'):.0f} s ({first})",
                      fix=f"check that every rank was started and can reach MASTER_ADDR:MASTER_PORT ({seen}); for a "
                          f"single-process run, unset those variables")
 
 
-def assign_files(plan: Plan, world_size: int) -> list[set[str]]:
-    """Largest file first to the least-loaded rank: deterministic, so every rank computes the same."""
+def local_world_size() -> int:
+    """The torchrun ranks on this node (LOCAL_WORLD_SIZE): they share its cores. 1 outside torchrun."""
+    if not launched_by_torchrun():
+        return 1
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def assign_files(plan: Plan, world_size: int, among: set[str] | None = None) -> list[set[str]]:
+    """Largest file first to the least-loaded rank: deterministic, so every rank computes the same. `among`:
+    only these files (a torchrun rank's share, dealt again to its forked processes)."""
     loads = [0] * world_size
     shares: list[set[str]] = [set() for _ in range(world_size)]
-    for f in sorted(plan.files, key=lambda f: (-f.size, f.name)):
+    for f in sorted((f for f in plan.files if among is None or f.name in among), key=lambda f: (-f.size, f.name)):
         r = min(range(world_size), key=lambda i: (loads[i], i))
         shares[r].add(f.name)
         loads[r] += f.size
@@ -73,7 +83,7 @@ class Group:
         if not dist.is_initialized():
             try:
                 dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                        timeout=timedelta(seconds=JOIN_TIMEOUT_S))
+                                        timeout=timedelta(seconds=settings.get("CKPTTOOL_JOIN_TIMEOUT_S")))
             except Exception as exc:  # torch raises DistStoreError, RuntimeError or ValueError here
                 raise _join_error(exc) from None
             self._owned = True

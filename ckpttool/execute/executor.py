@@ -7,14 +7,13 @@ serves every command: convert, dequant, shard, quantize and merge.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from ckpttool import defaults
+from ckpttool import defaults, settings
 from ckpttool.errors import check_stop
 from ckpttool.execute.cuda import CudaTransforms
 from ckpttool.execute.device import resolve_device
@@ -26,8 +25,6 @@ from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.plan.types import Plan
 
 # Journal granularity: work done since the last commit is redone after a crash.
-COMMIT_EVERY_BYTES = int(os.environ.get("CKPTTOOL_JOURNAL_BYTES", 1 << 30))
-COMMIT_EVERY_SECONDS = float(os.environ.get("CKPTTOOL_JOURNAL_SECONDS", 2.0))
 
 
 class MemoryBudget:
@@ -97,6 +94,8 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
         gpu.wait()
     run_order(tasks, inputs)
     budget = MemoryBudget(max_memory)
+    # journal granularity: work done since the last commit is redone after a crash
+    commit_bytes, commit_seconds = settings.get("CKPTTOOL_JOURNAL_BYTES"), settings.get("CKPTTOOL_JOURNAL_SECONDS")
     pending: list[tuple[str, str]] = []
     pending_bytes = 0
     last_commit = time.monotonic()
@@ -128,7 +127,7 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
             watched.add_done_callback(done.put)
         finished = []
         try:
-            finished.append(done.get(timeout=COMMIT_EVERY_SECONDS) if block else done.get_nowait())
+            finished.append(done.get(timeout=commit_seconds) if block else done.get_nowait())
             while True:
                 finished.append(done.get_nowait())
         except queue.Empty:
@@ -147,7 +146,7 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
                 pending_bytes += task.nbytes_out
                 if progress is not None:
                     progress(task.nbytes_out)
-        if pending and (pending_bytes >= COMMIT_EVERY_BYTES or time.monotonic() - last_commit > COMMIT_EVERY_SECONDS
+        if pending and (pending_bytes >= commit_bytes or time.monotonic() - last_commit > commit_seconds
                         or asked.asked()):
             asked.clear()
             committer.submit(pending)

@@ -11,7 +11,7 @@ bytes are those of a single process.
 
 Each child reports through a pipe: progress as it goes, a heartbeat every HEARTBEAT_S, then its timings or
 its error (a CkptError keeps its message, file, tensor and fix; an OSError its errno and file; a signal
-which one). A child that dies without a word (a signal, the OOM killer), or goes RANK_TIMEOUT_S without one
+which one). A child that dies without a word (a signal, the OOM killer), or goes CKPTTOOL_RANK_TIMEOUT_S without one
 (stopped by SIGSTOP, hung), fails the run naming its rank; the work it journalled stands, for --resume. A
 child dies with its parent (PR_SET_PDEATHSIG), and a failing parent kills its children before it reports.
 A rank that fails sets ForkedRanks.abort, which rank 0's execute raises at once rather than finish its own
@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
-from ckpttool import defaults, faults
+from ckpttool import defaults, faults, settings
 from ckpttool.errors import CkptError, InputError, OutputError, PlanError, RecipeError, Stopped
 from ckpttool.execute.device import resolve_device
 from ckpttool.execute.executor import execute
@@ -44,8 +44,6 @@ from ckpttool.timing import Timings
 _LENGTH = struct.Struct("<Q")
 HEARTBEAT_S = 1.0
 """a child says it is alive this often, whatever its work is doing"""
-RANK_TIMEOUT_S = float(os.environ.get("CKPTTOOL_RANK_TIMEOUT_S", 60))
-"""a child silent this long (stopped by SIGSTOP, or hung) is ended and fails the run, naming its rank"""
 _KINDS = (InputError, PlanError, OutputError, RecipeError, CkptError)
 """the error classes a child's CkptError is rebuilt as in the parent (the first it is an instance of)"""
 
@@ -55,29 +53,32 @@ Share = Callable[[int, Callable[[int], None]], dict]
 
 
 def layout(plan: Plan, device: str, workers: int | None, processes: int | None, *, one_process: bool,
-           to_memory: bool) -> tuple[str, int, int]:
+           to_memory: bool, files: set[str] | None = None, share: int = 1) -> tuple[str, int, int]:
     """(device, processes, workers in each) of a run writing into tmpfs or not (`to_memory`; defaults.layout:
-    by default it splits only into tmpfs). Only a CPU run splits: `auto` is decided here, as execute would, so every
-    process converts on the CPU; a run from the hub (its fetcher) or under torchrun (`one_process`) stays
-    one process, and so does one beside other threads: a lock one of them held at fork time would be held
-    forever in the child (a library caller's threads, torch's)."""
+    by default it splits only into tmpfs), of `files` (a torchrun rank's share) or every file, on this node's
+    cores shared by `share` torchrun ranks. Only a CPU run splits: `auto` is decided here, as execute would, so
+    every process converts on the CPU; a run from the hub (its fetcher, `one_process`) stays one process, and so
+    does one beside other Python threads: a lock one of them held at fork time would be held forever in the
+    child (a library caller's threads, torch's)."""
     if device == "auto" and resolve_device(device, plan.bytes_to_write) == "cpu":
         device = "cpu"
     split = device == "cpu" and not one_process and can_fork() and threading.active_count() == 1
-    processes, workers = defaults.layout(len(plan.files), workers, processes, can_split=split, to_memory=to_memory)
+    count = len(plan.files) if files is None else len(files)
+    processes, workers = defaults.layout(count, workers, processes, can_split=split, to_memory=to_memory, share=share)
     return device, processes, workers
 
 
 def rank_share(rank0: Staging, plan: Plan, inputs, shares: list[set[str]], device: str, workers: int,
-               max_memory: int, chunk_bytes: int) -> Share:
+               max_memory: int, chunk_bytes: int, journal_tag: str = "") -> Share:
     """What forked rank r runs: join the staging directory rank 0 set up (`rank0`, as the fork left it),
-    convert its share of the files, shares[r], as a torchrun rank would (its own journal, its files' hashes
-    left beside them), and return its timings."""
+    convert its share of the files, shares[r], as a torchrun rank would (its own journal, named
+    `journal_tag` + r so that the forks of several torchrun ranks never share one; its files' hashes left
+    beside them), and return its timings."""
 
     def share(rank: int, progress: Callable[[int], None]) -> dict:
         inputs.reopen()  # descriptors (and read leases, io/mapped.py) of this process's own
         clock = Timings()
-        staging = rank0.fork_rank(rank, clock)
+        staging = rank0.fork_rank(f"{journal_tag}{rank}", clock)
         try:
             staging.open_files(shares[rank])
             with clock.phase("execute"):
@@ -146,6 +147,7 @@ class ForkedRanks:
         poller = select.poll()
         poller.register(fd, select.POLLIN | select.POLLHUP)
         heard = tick = time.monotonic()
+        limit = settings.get("CKPTTOOL_RANK_TIMEOUT_S")  # a child silent this long is ended and fails the run
         try:
             while True:
                 ready = poller.poll(int(HEARTBEAT_S * 1000))
@@ -154,7 +156,7 @@ class ForkedRanks:
                     heard = now
                 tick = now
                 if not ready:
-                    if now - heard > RANK_TIMEOUT_S:
+                    if now - heard > limit:
                         silent = now - heard
                         break
                     continue
@@ -196,7 +198,7 @@ class ForkedRanks:
     def _silent(self, rank: int, pid: int, seconds: float, state: str | None) -> CkptError:
         how = "has been stopped (SIGSTOP)" if state in ("T", "t") else "has sent nothing (hung?)"
         return OutputError(f"conversion process rank {rank} (pid {pid}) {how} for {seconds:.0f} s, past the "
-                           f"{RANK_TIMEOUT_S:g} s liveness limit; it was ended and the run stopped; the work it "
+                           f"{settings.get('CKPTTOOL_RANK_TIMEOUT_S'):g} s liveness limit; it was ended and the run stopped; the work it "
                            "journalled stands", file=self.where,
                            fix="rerun the same command with --resume (a rank stopped on purpose must be continued, "
                                "kill -CONT, within CKPTTOOL_RANK_TIMEOUT_S)")

@@ -99,9 +99,10 @@ class Staging:
             self._load_journals()
         self._open(journal)
 
-    def fork_rank(self, rank: int, timings: Timings) -> "Staging":
-        """This staging as forked rank `rank` joins it (execute/forked.py): the plan, its check and the
-        journals read so far are this process's own, so only the rank's journal, files and hashes are new."""
+    def fork_rank(self, rank: int | str, timings: Timings) -> "Staging":
+        """This staging as forked rank `rank` joins it (execute/forked.py; under torchrun `<rank>.<fork>`): the
+        plan, its check and the journals read so far are this process's own, so only the rank's journal, files
+        and hashes are new."""
         joined = object.__new__(Staging)
         joined.dst, joined.timings, joined.dir, joined.plan, joined.plan_hash = (
             self.dst, timings, self.dir, self.plan, self.plan_hash)

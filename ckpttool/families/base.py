@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from ckpttool.errors import InputError, PlanError
@@ -28,6 +27,10 @@ class HeadSplit:
     dim: int
     count: str
     replicate: bool = False
+    width: str | None = None
+    """where one table row serves layers with different head counts (MiMo's sliding layers have twice the KV
+    heads): the heads are counted from the tensor, its size along `dim` over this config field (one head's
+    width); `count` then names the usual count in messages"""
 
     def ranges(self, size: int, heads: int, mp: int) -> list[tuple[int, int]] | str:
         """(start, length) along `dim` per rank, or why no such cut exists."""
@@ -45,7 +48,9 @@ class HeadSplit:
     def rank_ranges(self, weight_shape: tuple[int, ...], cfg, mp: int, *, tensor: str | None = None,
                     file=None) -> list[tuple[int, int]]:
         """(start, length) along `dim` of each rank's share of a weight (or bias) of a parsed config."""
-        ranges = self.ranges(weight_shape[self.dim], getattr(cfg, self.count), mp)
+        size = weight_shape[self.dim]
+        heads = size // getattr(cfg, self.width) if self.width else getattr(cfg, self.count)
+        ranges = self.ranges(size, heads, mp)
         if isinstance(ranges, str):
             raise PlanError(ranges, file=file, tensor=tensor, fix=f"choose an --mp that fits {self.count}")
         return ranges
@@ -91,13 +96,16 @@ class Verifier:
     """(config.json dict, its path) -> model args (with vocab_size, n_layers, eos_token_ids)"""
     build: Callable[..., Any]
     """(args, ParallelContext, dtype, attn_impl) -> model"""
-    load_shard: Callable[[Any, Path], int]
-    """(model, model{rank}-mp{N}.safetensors) -> how many tensors it skipped (parts the bundled model
-    does not run, e.g. MTP layers); every other tensor is loaded strictly"""
-    load_hf: Callable[[Any, Path, int], None]
-    """(model, HF checkpoint dir, n_layers) -> None, strictly, at mp=1"""
+    load_shard: Callable[..., int | dict[str, int]]
+    """(model, model{rank}-mp{N}.safetensors[, skip=name -> bool]) -> how many tensors it skipped (parts the
+    bundled model does not run: MTP layers, and those `skip` names), or that count by what they are; every
+    other tensor is loaded strictly"""
+    load_hf: Callable[..., None]
+    """(model, HF checkpoint dir, n_layers[, prepare=ckpt -> None]) -> None, strictly, at mp=1; `prepare` runs
+    on the opened checkpoint first (a multimodal wrapper names its text tower as the text family does)"""
     weight_differences: Callable[..., list[str]]
-    """(model, ctx, HF dir, n_layers, shard path) -> what differs from the reference's slices"""
+    """(model, ctx, HF dir, n_layers, shard path[, prepare=ckpt -> None]) -> what differs from the
+    reference's slices"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,7 +127,8 @@ class Family:
     verifier: Callable[[], Verifier]
     """verify's model and loaders, imported on first call (torch)"""
     mtp_config_key: str | None = None
-    """config.json field counting MTP layers, zeroed when they are dropped."""
+    """config.json field counting MTP layers, zeroed when they are dropped ("text_config.x": x of the nested
+    text config; the parsed config holds it under its last name)."""
     mtp_in_mp: bool = False
     """whether the family's reference mp layout keeps the MTP layers (DeepSeek-V4's convert.py does,
     V3's drops them): `--keep-mtp` / `--drop-mtp` left unsaid, mp shards follow it"""
@@ -142,6 +151,11 @@ class Family:
     refused_types: dict[str, str] = field(default_factory=dict)
     """model_type -> why this family does not read it, for a relative it is often mistaken for
     (DeepSeek-V4.1 beside V4): `family_for` says so instead of listing the supported types"""
+    spelled: Callable[[Any, Any], Any] | None = None
+    """(parsed config, tensor names) -> the config bound to the spelling those names use, where the config
+    alone does not tell (a multimodal wrapper's text tower: the hub's `language_model.model.*` or transformers'
+    `model.language_model.*`); the planner calls it with the checkpoint's names before anything reads them,
+    merge with the shards' (the parts a wrapper passes through keep their names there)"""
     explicit_config: Callable[[dict, object], dict] | None = None
     """(config.json dict, its path) -> the same config with the routing and rope fields stated that
     transformers fills from its class defaults (or hard-codes) and omits when it saves a config:
@@ -154,7 +168,7 @@ class Family:
         than the headers hold tensors is wrong, and expanding it (1e8 experts) would run for minutes."""
         counts = {"num_hidden_layers": getattr(cfg, "num_hidden_layers", 0)}
         if self.mtp_config_key and with_mtp:  # MTP layers are layers too (a fuzzed 2^30 once ran out of memory)
-            counts[self.mtp_config_key] = getattr(cfg, self.mtp_config_key, 0)
+            counts[self.mtp_config_key] = getattr(cfg, self.mtp_config_key.split(".")[-1], 0)
             if all(isinstance(c, int) for c in counts.values()):
                 counts["layers with MTP"] = sum(counts.values())
         if any("expert" in row.fields for row in self.key_map.rows):
@@ -332,25 +346,39 @@ def config_fields(source: object):
                          fix="use the config.json published with the checkpoint") from None
 
 
-STACKED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv)?")
+STACKED_EXPERTS = re.compile(r"((?:\w+\.)*?model\.(?:\w+\.)*?)layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)"
+                             r"(_scale_inv)?")
 """transformers 5's expert tensors as its models hold them (and as some checkpoints are saved): one
 [E, 2I, H] `gate_up_proj` per layer (each expert's gate rows, then its up rows) and one [E, H, I]
-`down_proj`, with FP8 block scales `*_scale_inv` stacked the same way"""
+`down_proj`, with FP8 block scales `*_scale_inv` stacked the same way; under `model.` or a wrapper's
+prefix for its text tower (`model.language_model.`)"""
 _STACKED_LEAVES = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}  # the native expert weights, in order
 
 
 def unstack_experts(ckpt, keys: KeyMap, n_experts: int) -> int:
-    """Read stacked expert tensors as the per-expert weights of a key table (each part is a
-    contiguous byte range of the stack, so nothing is copied); returns how many were split. A table
-    that names the stacked tensors itself (gpt-oss) keeps them."""
-    per_expert = {r.native.split(".")[-2]: r.hf for r in keys.rows  # the decoder's, not an MTP layer's (`mtp.layers`)
-                  if r.split == EXPERT and r.companion is None and r.hf.startswith("model.layers.{layer}.")}
+    """Read a checkpoint in transformers 5's own spelling as the key table's: stacked expert tensors
+    as the table's per-expert weights (each part is a contiguous byte range of the stack, so nothing
+    is copied; under `model.` or a wrapper's prefix for its text tower), and each name the table lists as
+    an alias as the row's name. Returns how many stacks were split. A table that names the stacked tensors
+    itself (gpt-oss) keeps them."""
+    for name in sorted(ckpt.tensors):
+        canonical = keys.canonical(name)
+        if canonical is None:
+            continue
+        src = ckpt.tensors[name]
+        if canonical in ckpt.tensors:
+            raise InputError(f"checkpoint holds both {canonical!r} and {name!r}, two spellings of one tensor",
+                             file=ckpt.root / src.file, tensor=name,
+                             fix="the checkpoint mixes transformers' own names and the published ones; re-download it")
+        ckpt.split(name, [(canonical, src.info.shape)])
     split = 0
     for name in sorted(ckpt.tensors):
         match = STACKED_EXPERTS.fullmatch(name)
         if match is None or keys.to_native(name) is not None:
             continue
-        layer, kind, scale = match.groups()
+        prefix, layer, kind, scale = match.groups()
+        per_expert = {r.native.split(".")[-2]: r.hf for r in keys.rows if r.split == EXPERT and r.companion is None
+                      and r.hf.startswith(prefix + "layers.{layer}.")}
         leaves = _STACKED_LEAVES[kind]
         src = ckpt.tensors[name]
         shape = src.info.shape

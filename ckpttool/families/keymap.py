@@ -13,6 +13,11 @@ Two columns beyond the names:
 Every `*.weight` row implies one row per scale companion of the format table (formats.COMPANIONS:
 `X.weight_scale_inv` <-> `Y.scale`), with the weight's split; `Mapped.companion` says which. A table whose
 checkpoints name a weight's scale otherwise says so with `hf_scale_leaf` (DeepSeek-V4: `X.scale`).
+
+A table may also list aliases: another HF spelling of one of its rows that some checkpoints use (what
+transformers 5's save_pretrained writes with save_original_format=False: Mixtral's router at `mlp.gate`
+where the published checkpoints say `block_sparse_moe.gate`). Aliases are read as the row's HF name
+(`canonical`); outputs and merge always write the row's own.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 LINEAR = True
 """fourth column of a key-table row: a linear projection weight (see the module docstring)"""
+RANK0 = "rank 0"
+"""split of a part a table passes through (a multimodal wrapper's vision tower and projector): whole, on
+rank 0 only, under its HF name"""
 EXPERT = "expert"
 """split of a routed expert's tensors: whole, on the rank that owns the expert's contiguous range"""
 
@@ -99,9 +107,13 @@ class Mapped:
 
 
 class KeyMap:
-    def __init__(self, rows: list[tuple], *, hf_scale_leaf: str | None = None):
+    def __init__(self, rows: list[tuple], *, hf_scale_leaf: str | None = None,
+                 aliases: tuple[tuple[str, str], ...] = (), passthrough: tuple[str, ...] = ()):
         """`hf_scale_leaf`: the leaf these checkpoints give every weight's scale (`X.<leaf>`), where it is
-        not the format table's own (DeepSeek-V4 names it `X.scale` where V3 says `X.weight_scale_inv`)."""
+        not the format table's own (DeepSeek-V4 names it `X.scale` where V3 says `X.weight_scale_inv`).
+        `aliases`: (another spelling, a row's HF template) pairs (see the module docstring).
+        `passthrough`: name prefixes of parts carried unchanged (RANK0), e.g. a wrapper's vision tower."""
+        self._hf_scale_leaf, self.passthrough, self._alias_pairs = hf_scale_leaf, tuple(passthrough), tuple(aliases)
         companions = COMPANIONS if hf_scale_leaf is None else tuple(replace(c, hf_leaf=hf_scale_leaf)
                                                                     for c in COMPANIONS)
         self.rows = [KeyRow(*r) for r in rows]
@@ -127,10 +139,18 @@ class KeyMap:
         for r in self.rows:
             if set(_PLACEHOLDER.findall(r.hf)) != set(_PLACEHOLDER.findall(r.native)):
                 raise ValueError(f"row {r.hf} -> {r.native} changes placeholders")
+        self._aliases: dict[str, tuple[str, str]] = {}
+        for alias, hf in aliases:
+            row = self._by_hf.get(_shape_key(hf))
+            if row is None or row.hf != hf or _shape_key(alias) in self._by_hf:
+                raise ValueError(f"alias {alias} -> {hf} is not another spelling of one row")
+            if _PLACEHOLDER.findall(alias) != _PLACEHOLDER.findall(hf):
+                raise ValueError(f"alias {alias} -> {hf} changes placeholders")
+            self._aliases[_shape_key(alias)] = (alias, hf)
 
     def to_native(self, hf_name: str) -> Mapped | None:
         """The native tensor of an HF one (the first, for one held as segments: see `to_natives`)."""
-        return self._translate(hf_name, self._by_hf, forward=True)
+        return self._passed(hf_name) or self._translate(hf_name, self._by_hf, forward=True)
 
     def to_natives(self, hf_name: str) -> list[Mapped]:
         """Every native tensor an HF tensor becomes: one, or one per `Segment`, in order."""
@@ -141,11 +161,36 @@ class KeyMap:
         return [self._translate(hf_name, {_shape_key(hf_name): r}, forward=True) for r in rows]
 
     def to_hf(self, native_name: str) -> Mapped | None:
-        return self._translate(native_name, self._by_native, forward=False)
+        return self._passed(native_name) or self._translate(native_name, self._by_native, forward=False)
+
+    def canonical(self, hf_name: str) -> str | None:
+        """The row's HF name of a tensor spelled as one of the table's aliases (None: not an alias)."""
+        entry = self._aliases.get(_shape_key(hf_name))
+        if entry is None:
+            return None
+        alias, hf = entry
+        return hf.format(**dict(zip(_PLACEHOLDER.findall(alias), _numbers(hf_name))))
 
     def is_linear(self, hf_name: str) -> bool:
         row = self._by_hf.get(_shape_key(hf_name))
         return row is not None and row.linear
+
+    def passes_through(self, name: str) -> bool:
+        """A name under one of the `passthrough` prefixes: carried unchanged, whole, on rank 0."""
+        return any(name.startswith(p) for p in self.passthrough)
+
+    def renamed(self, hf_name, passthrough: tuple[str, ...] = ()) -> "KeyMap":
+        """This table with every HF template renamed by `hf_name` (str -> str: a wrapper's prefix on its text
+        tower; the native side is unchanged), its aliases renamed alike, the same scale leaf, and `passthrough`
+        prefixes of its own."""
+        rows = [(hf_name(r.hf), r.native, r.split, r.linear) for r in self.rows if r.companion is None]
+        aliases = tuple((hf_name(a), hf_name(h)) for a, h in self._alias_pairs)
+        return KeyMap(rows, hf_scale_leaf=self._hf_scale_leaf, aliases=aliases, passthrough=passthrough)
+
+    def _passed(self, name: str) -> Mapped | None:
+        if not self.passes_through(name):
+            return None
+        return Mapped(name, RANK0, {}, KeyRow(name, name, RANK0))
 
     @staticmethod
     def _translate(name: str, table: dict[str, KeyRow], *, forward: bool) -> Mapped | None:

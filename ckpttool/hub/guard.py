@@ -7,7 +7,7 @@ httpx event hooks on huggingface_hub's shared client wraps each response's body 
   Content-Length, or a false one) is cut off there with nothing beyond handed to the writer, a 206 must
   start where it was asked to, and an encoded body is refused (file transfers ask for `identity`, so the
   listed size is the byte count on the wire and a compressed body cannot expand past it);
-- no transfer may go STALL_SECONDS without MIN_PROGRESS_BYTES arriving: a server that trickles (0.5 B/s
+- no transfer may go CKPTTOOL_HUB_STALL_S seconds without CKPTTOOL_HUB_MIN_BYTES arriving: a server that trickles (0.5 B/s
   never trips a read timeout) or stalls is given up, naming the file. A file's clock runs across
   huggingface_hub's own retries of it, which otherwise spent about 67 s on a full stall.
 
@@ -17,7 +17,6 @@ huggingface_hub's client gets no per-call transport, hence hooks on its shared o
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -26,11 +25,9 @@ from urllib.parse import unquote, urlsplit
 import httpx2
 from huggingface_hub.utils import get_session
 
+from ckpttool import settings
 from ckpttool.errors import InputError
 
-STALL_SECONDS = float(os.environ.get("CKPTTOOL_HUB_STALL_S", 30))
-"""a transfer that receives fewer than MIN_PROGRESS_BYTES in this long is given up"""
-MIN_PROGRESS_BYTES = int(os.environ.get("CKPTTOOL_HUB_MIN_BYTES", 256 << 10))
 IDENTITY = {"Accept-Encoding": "identity"}
 """headers of every file transfer: the listed size is then the size on the wire"""
 _RESOLVE = re.compile(r".*/(?P<repo>[^/]+/[^/]+)/resolve/[^/]+/(?P<file>.+)")
@@ -69,6 +66,8 @@ class _Transfer:
 
     def __init__(self, label: str, size: int | None):
         self.label, self.size = label, size
+        # given up when fewer than min_bytes arrive in stall_s (settings: CKPTTOOL_HUB_STALL_S, _MIN_BYTES)
+        self.stall_s, self.min_bytes = settings.get("CKPTTOOL_HUB_STALL_S"), settings.get("CKPTTOOL_HUB_MIN_BYTES")
         self.got = self.mark_bytes = 0
         self.mark = time.monotonic()
         self.done = False
@@ -76,18 +75,18 @@ class _Transfer:
     def reached(self, offset: int) -> None:
         self.got = max(self.got, offset)
         now = time.monotonic()
-        if self.got - self.mark_bytes >= MIN_PROGRESS_BYTES:
+        if self.got - self.mark_bytes >= self.min_bytes:
             self.mark, self.mark_bytes = now, self.got
-        elif now - self.mark > STALL_SECONDS:
+        elif now - self.mark > self.stall_s:
             raise self.stalled()
 
     def overdue(self) -> bool:
-        return time.monotonic() - self.mark > STALL_SECONDS
+        return time.monotonic() - self.mark > self.stall_s
 
     def stalled(self) -> TransferRefused:
         return TransferRefused(
             f"the transfer of {self.label} made no progress: {self.got - self.mark_bytes} bytes in the last "
-            f"{time.monotonic() - self.mark:.0f} s (under {MIN_PROGRESS_BYTES} in {STALL_SECONDS:g} s); the hub or "
+            f"{time.monotonic() - self.mark:.0f} s (under {self.min_bytes} in {self.stall_s:g} s); the hub or "
             "the network stalled, so it was given up", file=self.label,
             fix="retry later (a conversion: rerun with --resume, which keeps the work done and continues the file); "
                 "on a link that slow, raise CKPTTOOL_HUB_STALL_S")

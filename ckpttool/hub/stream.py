@@ -197,7 +197,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
         for name in self._order:
             with self._cond:
                 # the file to free may only be waiting for its tensors' journal entries: ask for that
-                # commit now, not within COMMIT_EVERY_SECONDS, which held this transfer (bench/RESULTS.md)
+                # commit now, not within CKPTTOOL_JOURNAL_SECONDS, which held this transfer (bench/RESULTS.md)
                 waited = time.monotonic()
                 if self._resident >= self.k:
                     self._event(name, "room")

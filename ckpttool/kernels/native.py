@@ -16,11 +16,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.machinery
-import os
 from pathlib import Path
 
 import numpy as np
 
+from ckpttool import settings
 from ckpttool.kernels.scaled_numba import Kernels
 
 _P = ctypes.c_void_p
@@ -53,7 +53,7 @@ _SUFFIX = {np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32", np.dtype(np.u
 
 def library() -> ctypes.CDLL | None:
     """The loaded C library, or None (not built, or CKPTTOOL_NATIVE=0)."""
-    if os.environ.get("CKPTTOOL_NATIVE", "1") == "0":
+    if not settings.get("CKPTTOOL_NATIVE"):
         return None
     return _load()
 
@@ -216,7 +216,7 @@ _BNB_KIND = {"BF16": (0, np.uint16), "F16": (1, np.uint16), "F32": (2, np.uint32
 def simd() -> int:
     """The instruction sets bnb.c may use: the CPU's (0 none, 1 SSSE3, 2 AVX2), capped by CKPTTOOL_SIMD (read on
     every call, so the tests run each level)."""
-    return min(int(_load().ckpttool_simd_level()), int(os.environ.get("CKPTTOOL_SIMD", "2")))
+    return min(int(_load().ckpttool_simd_level()), settings.get("CKPTTOOL_SIMD"))
 
 
 def bnb4(packed: np.ndarray, absmax: np.ndarray, code: np.ndarray, blocksize: int, out_dtype: str,

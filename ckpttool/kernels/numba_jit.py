@@ -6,10 +6,11 @@ CKPTTOOL_NUMBA=0, each kernel's getter returns None and its caller runs numpy in
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 from typing import Callable, TypeVar
+
+from ckpttool import settings
 
 K = TypeVar("K")
 _lock = threading.Lock()
@@ -18,7 +19,7 @@ _lock = threading.Lock()
 def in_use() -> bool:
     """Whether numba's loops run in this process: it imports, and CKPTTOOL_NUMBA=0 (read on every call,
     so tests can flip it) does not turn it off. Imports numba but builds no kernel."""
-    return os.environ.get("CKPTTOOL_NUMBA", "1") != "0" and _numba() is not None
+    return settings.get("CKPTTOOL_NUMBA") and _numba() is not None
 
 
 @functools.lru_cache(maxsize=None)

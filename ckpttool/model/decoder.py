@@ -1,10 +1,10 @@
 """The GQA decoder the Llama-style families share (dense Llama/Mistral/Qwen, and the MoE families that
-keep that attention: Qwen2/3-MoE, Mixtral, OLMoE, GLM-4.5, MiniMax-M2), with tensor parallelism.
+keep that attention: Qwen2/3-MoE, Mixtral, OLMoE, GLM-4.5, MiniMax-M2, ERNIE-4.5), with tensor parallelism.
 
 Parameter names are the llama / gpt-fast mp names (`tok_embeddings`, `layers.{i}.attention.wq`,
 `attention_norm`, `ffn_norm`, `feed_forward`, `norm`, `output`); a family supplies each layer's
 feed-forward module. Numerics follow transformers: RMSNorm in float32, rotate-half RoPE on the first
-`rotary_dim` dims of each head, float32 softmax. Shapes: B batch, S new tokens, T cached positions,
+`rotary_dim` dims of each head (or, `rope_interleaved`, on adjacent pairs in float32), float32 softmax. Shapes: B batch, S new tokens, T cached positions,
 H local query heads, K local KV heads, D head_dim.
 """
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckpttool.errors import InputError
-from ckpttool.model.norms import RMSNorm
+from ckpttool.model.norms import GemmaRMSNorm, RMSNorm
 from ckpttool.model.parallel import Linear, ParallelContext, ParallelEmbedding
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -49,6 +49,15 @@ class DecoderShape:
     tie_word_embeddings: bool
     fp8: bool
     clip_qkv: float | None = None
+    rope_interleaved: bool = False
+    """RoPE on adjacent pairs (x0, x1), (x2, x3)... in float32 (ERNIE-4.5, Llama-4), not on the two halves of each head"""
+    lm_head_bias: bool = False
+    attention_chunks: tuple[int | None, ...] = ()
+    """per layer: attention only within aligned chunks of this many positions (Llama-4); empty: none"""
+    gemma_norms: bool = False  # every RMSNorm scales by 1 + weight (model/norms.GemmaRMSNorm: MiniMax-M3)
+
+    def norm(self, dim: int, dtype: torch.dtype) -> RMSNorm:
+        return (GemmaRMSNorm if self.gemma_norms else RMSNorm)(dim, self.norm_eps, dtype)
 
     @property
     def rotary_dim(self) -> int:
@@ -108,18 +117,25 @@ class DenseLinear(Linear):
 
 class FeedForward(nn.Module):
     """SwiGLU MLP (w1 gate, w3 up, w2 down). With `ctx` it is tensor-parallel (w1/w3 column, w2 row,
-    all-reduced); without, it is whole on this rank (a routed expert)."""
+    all-reduced); without, it is whole on this rank (a routed expert). `swiglu` (alpha, limit): gpt-oss's
+    clamped activation instead of SiLU, (up + 1) * gate * sigmoid(alpha * gate) (MiniMax-M3)."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, fp8: bool, *, ctx: ParallelContext | None,
-                 bias: bool = False):
+                 bias: bool = False, swiglu: tuple[float, float] | None = None):
         super().__init__()
         local = inter if ctx is None else ctx.split(inter, "intermediate_size")
         self.w1 = DenseLinear(hidden, local, dtype, fp8, bias)
         self.w3 = DenseLinear(hidden, local, dtype, fp8, bias)
         self.w2 = DenseLinear(local, hidden, dtype, fp8, bias, row_ctx=ctx)
+        self.swiglu = swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w1(x), self.w3(x)
+        if self.swiglu is None:
+            return self.w2(F.silu(gate) * up)
+        alpha, limit = self.swiglu
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return self.w2((up + 1.0) * (gate * torch.sigmoid(gate * alpha)))
 
 
 class ParallelRMSNorm(RMSNorm):
@@ -140,6 +156,16 @@ class ParallelRMSNorm(RMSNorm):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): the rotation of interleaved RoPE."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE over the whole head, in float32 (cos/sin repeat each frequency twice)."""
+    return (x.float() * cos + rotate_pairs(x).float() * sin).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -174,10 +200,11 @@ class Attention(nn.Module):
         self.wk = DenseLinear(s.hidden_size, self.n_kv_heads * d, dtype, s.fp8, s.qkv_bias)
         self.wv = DenseLinear(s.hidden_size, self.n_kv_heads * d, dtype, s.fp8, s.qkv_bias)
         self.wo = DenseLinear(self.n_heads * d, s.hidden_size, dtype, s.fp8, s.o_bias, row_ctx=ctx)
-        self.qk_norm = s.qk_norm
+        self.qk_norm, self.interleaved = s.qk_norm, s.rope_interleaved
+        self.register_parameter("sinks", None)  # a family's attention may give each local head a sink logit
         if s.qk_norm == "head":
-            self.q_norm = RMSNorm(d, s.norm_eps, dtype)
-            self.k_norm = RMSNorm(d, s.norm_eps, dtype)
+            self.q_norm = s.norm(d, dtype)
+            self.k_norm = s.norm(d, dtype)
         elif s.qk_norm == "full":
             self.q_norm = ParallelRMSNorm(self.n_heads * d, s.heads * d, s.norm_eps, dtype, ctx)
             self.k_norm = ParallelRMSNorm(self.n_kv_heads * d, s.kv_heads * d, s.norm_eps, dtype, ctx)
@@ -188,7 +215,6 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        end = start_pos + seqlen
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -199,25 +225,41 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)  # [S, 1, rotary_dim]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.interleaved:
+            cos, sin = cos[:, None, :], sin[:, None, :]
+            q, k = apply_rope_pairs(q, cos, sin), apply_rope_pairs(k, cos, sin)
+        else:
+            cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)  # [S, 1, rotary_dim]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.attend(q, k, v, start_pos, mask)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
+               mask: torch.Tensor) -> torch.Tensor:
+        """Cache k, v [B, S, K, D] at start_pos.., attend with q [B, S, H, D] and project out."""
+        bsz, seqlen = q.shape[:2]
+        end = start_pos + seqlen
         self.k_cache[:bsz, start_pos:end] = k
         self.v_cache[:bsz, start_pos:end] = v
         rep = self.n_heads // self.n_kv_heads
         keys = self.k_cache[:bsz, :end].repeat_interleave(rep, dim=2)  # [B, T, H, D]
         values = self.v_cache[:bsz, :end].repeat_interleave(rep, dim=2)
         scores = torch.einsum("bshd,bthd->bhst", q, keys) * self.scale + mask  # [B, H, S, T]
-        probs = scores.float().softmax(dim=-1).to(q.dtype)
+        if self.sinks is not None:  # one more logit per head that takes probability and is dropped (MiMo)
+            sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(bsz, -1, seqlen, 1)
+            probs = torch.cat([scores, sink], dim=-1).float().softmax(dim=-1)[..., :-1].to(q.dtype)
+        else:
+            probs = scores.float().softmax(dim=-1).to(q.dtype)
         out = torch.einsum("bhst,bthd->bshd", probs, values)
         return self.wo(out.reshape(bsz, seqlen, -1))
 
 
 class Block(nn.Module):
-    def __init__(self, s: DecoderShape, ctx: ParallelContext, dtype: torch.dtype, feed_forward: nn.Module):
+    def __init__(self, s: DecoderShape, ctx: ParallelContext, dtype: torch.dtype, feed_forward: nn.Module,
+                 attention: nn.Module | None = None):
         super().__init__()
-        self.attention_norm = RMSNorm(s.hidden_size, s.norm_eps, dtype)
-        self.attention = Attention(s, ctx, dtype)
-        self.ffn_norm = RMSNorm(s.hidden_size, s.norm_eps, dtype)
+        self.attention_norm = s.norm(s.hidden_size, dtype)
+        self.attention = Attention(s, ctx, dtype) if attention is None else attention
+        self.ffn_norm = s.norm(s.hidden_size, dtype)
         self.feed_forward = feed_forward
 
     def forward(self, x, start_pos, cos, sin, mask):
@@ -228,17 +270,23 @@ class Block(nn.Module):
 class Decoder(nn.Module):
     """Vocabulary-parallel embedding, blocks, final norm and a vocabulary-parallel output whose slices
     are all-gathered; with tied embeddings the output reuses the embedding's rows. `feed_forward(i)`
-    builds layer i's feed-forward module."""
+    builds layer i's feed-forward module, `attention(i)` (where given) its attention."""
 
     def __init__(self, s: DecoderShape, ctx: ParallelContext, dtype: torch.dtype,
-                 feed_forward: Callable[[int], nn.Module]):
+                 feed_forward: Callable[[int], nn.Module], attention: Callable[[int], nn.Module] | None = None):
         super().__init__()
         self.shape, self.ctx, self.dtype = s, ctx, dtype
         self.tok_embeddings = ParallelEmbedding(ctx, s.vocab_size, s.hidden_size, dtype)
-        self.layers = nn.ModuleList(Block(s, ctx, dtype, feed_forward(i)) for i in range(s.num_layers))
-        self.norm = RMSNorm(s.hidden_size, s.norm_eps, dtype)
+        self.layers = nn.ModuleList(Block(s, ctx, dtype, feed_forward(i), None if attention is None else attention(i))
+                                    for i in range(s.num_layers))
+        self.norm = s.norm(s.hidden_size, dtype)
+        local_vocab = ctx.split(s.vocab_size, "vocab_size")
         if not s.tie_word_embeddings:
-            self.output = Linear(s.hidden_size, ctx.split(s.vocab_size, "vocab_size"), dtype)
+            self.output = Linear(s.hidden_size, local_vocab, dtype)
+        if s.lm_head_bias:  # ERNIE's use_bias: the head has a bias even where its weight is the embedding's
+            if s.tie_word_embeddings:
+                self.output = nn.Module()
+            self.output.bias = nn.Parameter(torch.empty(local_vocab, dtype=dtype), requires_grad=False)
         self.max_seq_len = 0
 
     @property
@@ -250,7 +298,7 @@ class Decoder(nn.Module):
         device = self.tok_embeddings.weight.device
         self.max_seq_len = max_seq_len
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), torch.tensor(self.shape.inv_freq))
-        emb = torch.cat([angles, angles], dim=-1)
+        emb = angles.repeat_interleave(2, dim=-1) if self.shape.rope_interleaved else torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", (emb.cos() * self.shape.attention_scaling).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * self.shape.attention_scaling).to(device), persistent=False)
         for block in self.layers:
@@ -267,16 +315,21 @@ class Decoder(nn.Module):
         cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
         q_pos = torch.arange(start_pos, end, device=tokens.device)[:, None]
         k_pos = torch.arange(end, device=tokens.device)[None, :]
+        kinds = list(zip(self.shape.sliding_windows, self.shape.attention_chunks or [None] * len(self.layers)))
         masks = {}
-        for window in set(self.shape.sliding_windows):
+        for window, chunk in set(kinds):
             allowed = k_pos <= q_pos
             if window is not None:
                 allowed &= q_pos - k_pos < window
-            masks[window] = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill(~allowed, float("-inf"))
-        for block, window in zip(self.layers, self.shape.sliding_windows):
-            h = block(h, start_pos, cos, sin, masks[window])
+            if chunk is not None:
+                allowed &= q_pos // chunk == k_pos // chunk
+            masks[window, chunk] = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill(
+                ~allowed, float("-inf"))
+        for block, kind in zip(self.layers, kinds):
+            h = block(h, start_pos, cos, sin, masks[kind])
         h = self.norm(h)
         if not all_positions:
             h = h[:, -1]
         weight = self.tok_embeddings.weight if self.shape.tie_word_embeddings else self.output.dense_weight()
-        return self.ctx.all_gather_last_dim(F.linear(h, weight)).float()
+        bias = self.output.bias if self.shape.lm_head_bias else None
+        return self.ctx.all_gather_last_dim(F.linear(h, weight, bias)).float()

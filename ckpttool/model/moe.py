@@ -1,7 +1,8 @@
 """Routed experts as the MoE families compute them: a router (softmax or sigmoid scores, an optional
 correction bias and group limit for the choice, top-k, weights from the unbiased scores), whole experts
 on the rank owning a contiguous range (expert parallel, partial sums all-reduced), and optional shared
-experts (tensor parallel) with an optional sigmoid gate (Qwen2-MoE).
+experts (tensor parallel) with an optional sigmoid gate (Qwen2-MoE); experts and shared experts take the
+clamped gpt-oss activation where `swiglu` says so (MiniMax-M3).
 
 Parameter names: `gate.weight` (router), `gate.bias` (correction bias), `experts.{e}.w1/w2/w3` with the
 global expert index, `shared_experts.w1/w2/w3`, `shared_expert_gate.weight`.
@@ -25,6 +26,7 @@ class Routing:
     top_k: int
     scoring: str = "softmax"  # or "sigmoid"
     correction_bias: bool = False
+    correction_bias_rows: bool = False  # stored [1, experts] (ERNIE's moe_statics)
     groups: int = 1
     topk_groups: int = 1
     group_score: str = "top2_sum"  # or "max" (DeepSeek-V2's group_limited_greedy)
@@ -40,7 +42,8 @@ class Router(nn.Module):
         self.r = r
         self.weight = nn.Parameter(torch.empty(r.experts, hidden, dtype=dtype), requires_grad=False)
         if r.correction_bias:
-            self.bias = nn.Parameter(torch.empty(r.experts, dtype=torch.float32), requires_grad=False)
+            shape = (1, r.experts) if r.correction_bias_rows else (r.experts,)
+            self.bias = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
         else:
             self.register_parameter("bias", None)
 
@@ -49,7 +52,7 @@ class Router(nn.Module):
         r = self.r
         logits = F.linear(x.float(), self.weight.float())  # [N, experts]
         scores = logits.softmax(dim=-1) if r.scoring == "softmax" else logits.sigmoid()
-        choice = scores if self.bias is None else scores + self.bias
+        choice = scores if self.bias is None else scores + self.bias.view(-1)
         if r.groups > 1:
             grouped = choice.view(x.shape[0], r.groups, -1)  # [N, G, experts per group]
             if r.group_score == "top2_sum":
@@ -70,15 +73,17 @@ class MoE(nn.Module):
     """Routed experts by contiguous ranges across ranks plus shared experts; routed sums all-reduced."""
 
     def __init__(self, r: Routing, hidden: int, expert_inter: int, ctx: ParallelContext, dtype: torch.dtype,
-                 fp8: bool, *, shared_inter: int = 0, shared_gate: bool = False):
+                 fp8: bool, *, shared_inter: int = 0, shared_gate: bool = False, shared_bias: bool = False,
+                 swiglu: tuple[float, float] | None = None):
         super().__init__()
         self.ctx = ctx
         n_local = ctx.split(r.experts, "the routed expert count")
         first = ctx.rank * n_local
         self.gate = Router(r, hidden, dtype)
-        self.experts = nn.ModuleDict({str(e): FeedForward(hidden, expert_inter, dtype, fp8, ctx=None)
+        self.experts = nn.ModuleDict({str(e): FeedForward(hidden, expert_inter, dtype, fp8, ctx=None, swiglu=swiglu)
                                       for e in range(first, first + n_local)})
-        self.shared_experts = FeedForward(hidden, shared_inter, dtype, fp8, ctx=ctx) if shared_inter else None
+        self.shared_experts = (FeedForward(hidden, shared_inter, dtype, fp8, ctx=ctx, bias=shared_bias, swiglu=swiglu)
+                               if shared_inter else None)
         self.shared_expert_gate = Linear(hidden, 1, dtype) if shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""RMSNorm as transformers computes it for Llama, Qwen and DeepSeek (gpt-oss has its own order), and the
-zero-centred and gated forms of the linear-attention hybrids (Qwen3-Next, Qwen3.5, Kimi-Linear)."""
+"""RMSNorm as transformers computes it for Llama, Qwen and DeepSeek (gpt-oss has its own order), Gemma's
+(1 + weight: MiniMax-M3, Qwen3-Next, Qwen3.5), and the gated form of the linear-attention layers."""
 
 from __future__ import annotations
 
@@ -21,19 +21,13 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class ZeroCenteredRMSNorm(nn.Module):
-    """RMSNorm whose weight is stored as an offset from one (Qwen3-Next, Qwen3.5): normalise and scale by
-    (1 + weight) in float32, then cast back (transformers' Qwen3NextRMSNorm order)."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm (MiniMax-M3's): normalise and scale by 1 + weight, both in float32, then cast."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

@@ -58,6 +58,8 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
                          f"{ckpt.config.get('model_type')!r}", file=config_path,
                          fix="use a recipe for this architecture, or --set arch=auto")
     cfg = family.parse_config(ckpt.config, config_path)
+    if family.spelled is not None:  # the config alone does not say how these tensors are named
+        cfg = family.spelled(cfg, ckpt.tensors)
     stacked = unstack_experts(ckpt, family.keys(cfg), family.num_experts(cfg))
 
     tensors = [TensorPlan(name, s.info.dtype, s.info.shape, source=name, file=s.file)
@@ -68,6 +70,9 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     if not spec.dequant:
         dequant_stage.refuse_kept(tensors, rules, config_path)
     notes = [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
+    if passed := sum(family.keys(cfg).passes_through(t.name) for t in tensors):
+        notes.append(f"{passed} tensors outside the text model (a vision tower, a projector) passed through "
+                     "unchanged" + (", whole on rank 0" if spec.mp else ""))
 
     mtp = [t for t in tensors if family.is_mtp_tensor(cfg, t.name)]
     keep_mtp = spec.keep_mtp if spec.keep_mtp is not None else spec.mp is None or family.mtp_in_mp
@@ -134,7 +139,8 @@ def _check_against_config(tensors: list[TensorPlan], family, cfg, ckpt: Checkpoi
     # packed weights as the model tensors they stand for (their names and shapes are the format's)
     tensors = dequant_stage.dequant(tensors, tuple(r for r in rules if not r.row.keepable), planned=planned)[0]
     scales = dequant_stage.scale_names(tensors, rules)
-    actual = {t.name: t for t in tensors if t.name not in scales or t.name in expected}
+    passed = family.keys(cfg).passes_through  # a wrapper's vision tower: carried as it is, not of the text model
+    actual = {t.name: t for t in tensors if (t.name not in scales or t.name in expected) and not passed(t.name)}
     config_path = ckpt.root / "config.json"
     for name, t in actual.items():
         if name not in expected:

@@ -3,8 +3,9 @@
 Planned from the shards' headers and config.json alone, through the same key table read backwards
 (KeyMap.to_hf): each HF tensor is the concatenation of its ranks' slices along the row's split dim;
 replicated tensors come from rank 0, routed experts from the one rank holding them, and KV heads
-replicated over several ranks from the first rank holding each; a tensor held as segments (`Segment`) is
-its segments' parts one after another. Every merged shape is checked against
+replicated over several ranks from the first rank holding each; parts a table passes through (a wrapper's
+vision tower) from rank 0, as they are; a tensor held as segments (`Segment`) is its segments' parts one
+after another. Every merged shape is checked against
 the shapes config.json implies. The plan runs on the same executor, staging, journal and publish as
 every other command (so `--resume`, the memory budget, the manifest and torchrun work as for convert),
 writing HF-layout files in transformers' conventions: `model.safetensors`, or
@@ -19,7 +20,7 @@ from pathlib import Path
 from ckpttool import defaults
 from ckpttool.errors import InputError
 from ckpttool.families.base import HeadSplit
-from ckpttool.families.keymap import EXPERT, Segment
+from ckpttool.families.keymap import EXPERT, RANK0, Segment
 from ckpttool.families.table import family_for
 from ckpttool.io.checkpoint import ShardFiles, read_config
 from ckpttool.io.layout import find_mp, mp_file
@@ -67,6 +68,8 @@ def plan_merge(shards: ShardFiles, *, max_shard_bytes: int) -> Plan:
     family = family_for(config, config_path)
     cfg = family.parse_config(config, config_path)
     headers = list(shards.files.values())
+    if family.spelled is not None:  # a wrapper: the spelling whose parts passed through rank 0 holds
+        cfg = family.spelled(cfg, [name for header in headers for name in header.tensors])
     mp = len(headers)
     expected = family.expected_for(cfg, True, n_tensors=sum(len(h.tensors) for h in headers), source=config_path)
 
@@ -112,6 +115,14 @@ def _merged_tensor(hf: str, found: list[tuple[int, str]], mapped, headers: list[
                    expected: dict, cfg, mp: int) -> TensorPlan:
     split, companion = mapped.split, mapped.companion
     weight = mapped.hf_weight or hf
+    if split == RANK0:  # a part passed through whole on rank 0 (a wrapper's vision tower): as it is there
+        info = headers[found[0][0]].tensors[found[0][1]]
+        if [rank for rank, _ in found] != [0]:
+            raise InputError(f"a part passed through unchanged is on rank(s) {[r for r, _ in found]}, expected on "
+                             "rank 0 only", file=headers[found[0][0]].path, tensor=found[0][1],
+                             fix="the shards are not what `ckpttool shard` wrote; convert again")
+        return TensorPlan(hf, info.dtype, tuple(info.shape), source=found[0][1],
+                          parts=((headers[0].path.name, found[0][1]),), concat_dim=0)
     if weight not in expected:
         raise InputError("tensor is not part of the model config.json describes", file=headers[found[0][0]].path,
                          tensor=found[0][1], fix="check that config.json belongs to these shards")

@@ -40,7 +40,12 @@ def rewrite_config(config: dict, *, dequantized: bool, dtype: str | None, mtp_ke
             if "dtype" in config:
                 config["dtype"] = TORCH_DTYPE_NAMES[dtype]
     if mtp_dropped and mtp_key:  # also where config.json left the count to the class default
-        config[mtp_key] = 0
+        *path, leaf = mtp_key.split(".")  # a wrapper's is in its text config: "text_config.num_..."
+        inner = config
+        for key in path:
+            inner[key] = dict(inner[key])
+            inner = inner[key]
+        inner[leaf] = 0
     return config
 
 

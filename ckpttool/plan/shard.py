@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ckpttool.errors import PlanError
 from ckpttool.families.base import Family, HeadSplit
-from ckpttool.families.keymap import EXPERT, Segment
+from ckpttool.families.keymap import EXPERT, RANK0, Segment
 from ckpttool.formats import FP8_SCALE
 from ckpttool.io.layout import mp_file
 from ckpttool.plan.types import TensorPlan
@@ -19,8 +19,9 @@ def _fp8_kept(t: TensorPlan, is_scale: bool) -> bool:
 
 def shard(tensors: list[TensorPlan], family: Family, cfg, mp: int, files_of: dict[str, str]) -> list[TensorPlan]:
     """Each input tensor becomes one tensor per rank (split or replicated), or, for a routed expert,
-    one tensor on the rank owning its contiguous expert range; one held as segments (`Segment`) becomes
-    one tensor per segment and rank. `files_of` maps input tensor -> input file, for error messages."""
+    one tensor on the rank owning its contiguous expert range (for a part the table passes through, on rank
+    0); one held as segments (`Segment`) becomes one tensor per segment and rank. `files_of` maps input
+    tensor -> input file, for error messages."""
     family.check_mp(cfg, mp)
     per_rank = max(family.num_experts(cfg) // mp, 1)
     shapes = {t.name: t.shape for t in tensors}
@@ -34,6 +35,8 @@ def shard(tensors: list[TensorPlan], family: Family, cfg, mp: int, files_of: dic
         elif mapped.split == EXPERT:
             rank = mapped.values["expert"] // per_rank
             out.append(t.with_(name=mapped.name, file=mp_file(rank, mp)))
+        elif mapped.split == RANK0:  # a part passed through (a wrapper's vision tower): whole, on rank 0
+            out.append(t.with_(name=mapped.name, file=mp_file(0, mp)))
         elif mapped.split is None or mp == 1:
             out += [t.with_(name=mapped.name, file=mp_file(r, mp)) for r in range(mp)]
         elif isinstance(mapped.split, HeadSplit):

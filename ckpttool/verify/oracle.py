@@ -49,14 +49,16 @@ def transformers_logits(reference: Path, prompt_ids: list[int], generated: list[
         kwargs["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
     elif method not in (None, "fp8"):
         return None, f"transformers cannot dequantize a {method!r} reference here"
+    auto = _auto_class(transformers, config_class)
+    if auto is None:
+        return None, f"transformers {transformers.__version__} has no generating model for {model_type!r}"
     with tempfile.TemporaryDirectory(prefix="ckpttool-oracle-") as tmp:
         source = _bf16_copy(reference, Path(tmp)) if method == "fp8" else reference
         config = config_class.from_dict({k: v for k, v in read_config(source / "config.json").items()
                                          if k not in ("model_type", "auto_map")})
         try:
             with _quiet(transformers):
-                model = transformers.AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype,
-                                                                          **kwargs)
+                model = auto.from_pretrained(source, config=config, dtype=dtype, **kwargs)
         except ImportError as exc:  # a loader that needs a package this machine lacks
             return None, f"transformers could not load the reference: {exc}"
     if method == "mxfp4":
@@ -71,6 +73,16 @@ def transformers_logits(reference: Path, prompt_ids: list[int], generated: list[
     with torch.no_grad():
         logits = model(sequence).logits[0, len(prompt_ids) - 1:]
     return logits.float().cpu(), f"transformers {transformers.__version__} {type(model).__name__}"
+
+
+def _auto_class(transformers, config_class):
+    """The auto class whose table holds the config class: a causal LM, else an image-text-to-text model (a
+    multimodal wrapper, and Mistral 4, whose Mistral4ForCausalLM transformers lists only there). Both take
+    token ids alone and return logits."""
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
+        if config_class in auto._model_mapping:
+            return auto
+    return None
 
 
 def _bf16_copy(reference: Path, tmp: Path) -> Path:

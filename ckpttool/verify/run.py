@@ -242,8 +242,11 @@ def _run_rank(job: VerifyJob, rank: int, world: int, device: torch.device) -> Ve
         load_problems = [str(exc)]
     load_problems = _gather(load_problems, world)
     n_params = sum(1 for _ in model.parameters())
-    note = (f"; {skipped} MTP tensor(s) on rank {rank} skipped: verify runs the main model, the MTP layer "
-            "is neither loaded nor checked") if skipped else ""
+    skipped = skipped if isinstance(skipped, dict) else {"MTP": skipped}
+    note = "".join(f"; {n} MTP tensor(s) on rank {rank} skipped: verify runs the main model, the MTP layer is "
+                   "neither loaded nor checked" if what == "MTP" else
+                   f"; {n} {what} tensor(s) on rank {rank} skipped: verify runs the text model"
+                   for what, n in skipped.items() if n)
     checks["load"] = Check(ok=not load_problems, detail="\n".join(load_problems) or
                            f"{world} shard(s) loaded strictly ({n_params} tensors on rank {rank}){note}")
     generated, diff = [], None

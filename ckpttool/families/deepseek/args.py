@@ -1,11 +1,12 @@
-"""Model arguments for the bundled DeepSeek V2/V3 model, read from the HF config.json beside the shards.
+"""Model arguments for the bundled MLA model (DeepSeek V2/V3/V3.2, Kimi-K2, GLM-5, Mistral 4), read from the
+HF config.json beside the shards, through the model type's row (types.py).
 
 Where the reference model.py (shared/seeds) and transformers' DeepseekV2/V3 disagree, we follow
 transformers, because verify's oracle test compares against it:
 - YaRN is applied whenever config.json asks for it (the reference only when max_seq_len exceeds the
   original length), and its `attention_factor` (mscale / mscale_all_dim) scales cos/sin.
 - The softmax scale uses `mscale_all_dim` (the reference's `mscale` argument is the same number).
-- The correction bias exists when `topk_method == "noaux_tc"` (the reference keys it on dim == 7168).
+- The correction bias exists where the type's router has one (types.py; the reference keys it on dim == 7168).
 - Top-k weights are renormalised when `norm_topk_prob` is set (the reference: whenever sigmoid).
 """
 
@@ -17,7 +18,8 @@ from typing import Literal
 
 from ckpttool.errors import InputError
 from ckpttool.families.base import Rope, config_fields, eos_ids, read_rope
-from ckpttool.families.deepseek.spec import V3_ARCHITECTURE, DeepseekConfig, with_defaults
+from ckpttool.families.deepseek.spec import DEFAULT_ROPE_THETA, DeepseekConfig, with_defaults
+from ckpttool.families.deepseek.types import MlaType
 from ckpttool.formats import declares_fp8_block
 
 
@@ -69,11 +71,17 @@ class ModelArgs:
     norm_eps: float
     fp8: bool  # linear weights are FP8 e4m3 with 128x128 block scales
     eos_token_ids: tuple[int, ...]
-    # DeepSeek-V3.2's indexer (0 heads: none). Its weights are loaded and checked; attention runs dense,
-    # which is what the sparse attention computes while a sequence is no longer than index_topk.
+    attention_bias: bool = False  # q_a_proj (wq_a), kv_a_proj_with_mqa (wkv_a) and o_proj (wo) carry biases
+    tie_word_embeddings: bool = False  # the head is the embedding (no head.weight)
+    llama4_beta: float = 0.0  # Mistral 4: queries scaled by 1 + beta * log(1 + floor(pos / llama4_original))
+    llama4_original: int = 1
+    # The DSA indexer (DeepSeek-V3.2, GLM-5; 0 heads: none), in the layers `indexer_layers` marks. Its weights
+    # are loaded and checked; attention runs dense, which is what the sparse attention computes while a
+    # sequence is no longer than index_topk.
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    indexer_layers: tuple[bool, ...] = ()
 
     @property
     def qk_head_dim(self) -> int:
@@ -90,61 +98,102 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, raw: dict, source: object = "config.json") -> "ModelArgs":
         cfg = DeepseekConfig.from_dict(raw, source)
+        t = cfg.type
+        if t.default_rope is not None and not (raw.get("rope_scaling") or raw.get("rope_parameters")):
+            raw = {**raw, "rope_parameters": t.default_rope}  # the class's own rope (Mistral 4: YaRN)
         raw = with_defaults(raw)
-        is_v3 = cfg.model_type in V3_ARCHITECTURE
-        topk_method, score_func = raw.get("topk_method"), raw.get("scoring_func")
-        # exactly the routing transformers' models run; anything else would be a guess
-        if is_v3 and (topk_method, score_func) != ("noaux_tc", "sigmoid"):
-            raise InputError(f"unsupported routing for the DeepSeek-V3 architecture: topk_method={topk_method!r}, "
-                             f"scoring_func={score_func!r}", file=source,
-                             fix="DeepSeek-V3 (and Kimi-K2) route noaux_tc over sigmoid scores; check config.json")
-        if not is_v3 and (topk_method not in ("greedy", "group_limited_greedy") or score_func != "softmax"
-                          or raw.get("norm_topk_prob")):
-            raise InputError(f"unsupported routing for DeepSeek-V2: topk_method={topk_method!r}, "
-                             f"scoring_func={score_func!r}, norm_topk_prob={raw.get('norm_topk_prob')!r}", file=source,
-                             fix="DeepSeek-V2 routes softmax scores, greedy or group_limited_greedy, without "
-                                 "renormalising (as transformers' DeepseekV2); check config.json")
-        if cfg.model_type == "deepseek_v32" and (raw.get("attention_bias") or not cfg.q_lora_rank):
-            raise InputError("DeepSeek-V3.2 with attention_bias or without q_lora_rank is not supported", file=source,
-                             fix="ckpttool's model implements the published V3.2 attention (q_lora_rank, no biases)")
-        group_score = {"noaux_tc": "top2_sum", "group_limited_greedy": "max", "greedy": "none"}[topk_method]
+        score_func, group_score = _routing(t, raw, source)
         with config_fields(source):
             n_groups = int(raw.get("n_group") or 1) if group_score != "none" else 1
-            rope = read_rope(raw, source, default_theta=10000.0, types=("default", "yarn"))
-        return cls(
-            vocab_size=cfg.vocab_size,
-            dim=cfg.hidden_size,
-            inter_dim=cfg.intermediate_size,
-            moe_inter_dim=cfg.moe_intermediate_size,
-            n_layers=cfg.num_hidden_layers,
-            n_mtp_layers=cfg.num_nextn_predict_layers,
-            moe_layers=tuple(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
-            n_heads=cfg.num_attention_heads,
-            n_routed_experts=cfg.n_routed_experts,
-            n_shared_experts=cfg.n_shared_experts,
-            n_activated_experts=cfg.num_experts_per_tok,
-            score_func=score_func,
-            group_score=group_score,
-            n_expert_groups=n_groups,
-            n_limited_groups=int(raw.get("topk_group") or 1) if n_groups > 1 else 1,
-            correction_bias=cfg.has_correction_bias,
-            norm_topk_prob=bool(raw.get("norm_topk_prob")),
-            route_scale=float(raw.get("routed_scaling_factor") or 1.0),
-            q_lora_rank=cfg.q_lora_rank or 0,
-            kv_lora_rank=cfg.kv_lora_rank,
-            qk_nope_head_dim=cfg.qk_nope_head_dim,
-            qk_rope_head_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim,
-            rope_theta=rope.theta,
-            yarn=_yarn_args(rope, raw),
-            rope_interleave=bool(raw.get("rope_interleave", True)) if is_v3 else True,
-            norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            fp8=declares_fp8_block(raw.get("quantization_config"), source),
-            eos_token_ids=eos_ids(raw),
-            index_n_heads=cfg.index_n_heads,
-            index_head_dim=cfg.index_head_dim,
-            index_topk=int(raw["index_topk"]) if cfg.index_n_heads else 0,
-        )
+            rope = read_rope(raw, source, default_theta=DEFAULT_ROPE_THETA, types=("default", "yarn"))
+            _check_rotary_dims(cfg, rope, source)
+            beta, original = _llama4_scaling(t, rope, source)
+            return cls(
+                vocab_size=cfg.vocab_size,
+                dim=cfg.hidden_size,
+                inter_dim=cfg.intermediate_size,
+                moe_inter_dim=cfg.moe_intermediate_size,
+                n_layers=cfg.num_hidden_layers,
+                n_mtp_layers=cfg.num_nextn_predict_layers,
+                moe_layers=tuple(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)),
+                n_heads=cfg.num_attention_heads,
+                n_routed_experts=cfg.n_routed_experts,
+                n_shared_experts=cfg.n_shared_experts,
+                n_activated_experts=cfg.num_experts_per_tok,
+                score_func=score_func,
+                group_score=group_score,
+                n_expert_groups=n_groups,
+                n_limited_groups=int(raw.get("topk_group") or 1) if n_groups > 1 else 1,
+                correction_bias=cfg.has_correction_bias,
+                norm_topk_prob=bool(raw.get("norm_topk_prob")),
+                route_scale=float(raw.get("routed_scaling_factor") or 1.0),
+                q_lora_rank=cfg.q_lora_rank or 0,
+                kv_lora_rank=cfg.kv_lora_rank,
+                qk_nope_head_dim=cfg.qk_nope_head_dim,
+                qk_rope_head_dim=cfg.qk_rope_head_dim,
+                v_head_dim=cfg.v_head_dim,
+                rope_theta=rope.theta,
+                yarn=_yarn_args(rope, raw),
+                rope_interleave=bool(raw["rope_interleave"]) if t.rope_interleave is None else t.rope_interleave,
+                norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                fp8=declares_fp8_block(raw.get("quantization_config"), source),
+                eos_token_ids=eos_ids(raw),
+                attention_bias=cfg.attention_bias,
+                tie_word_embeddings=cfg.tie_word_embeddings,
+                llama4_beta=beta,
+                llama4_original=original,
+                index_n_heads=cfg.index_n_heads,
+                index_head_dim=cfg.index_head_dim,
+                index_topk=int(raw["index_topk"]) if cfg.index_n_heads else 0,
+                indexer_layers=tuple(cfg.has_indexer(i) for i in range(cfg.num_hidden_layers)),
+            )
+
+
+def _routing(t: MlaType, raw: dict, source: object) -> tuple[str, str]:
+    """(score function, group ranking) of the type's router; a config asking for routing its transformers
+    model does not run is refused, not approximated."""
+    stated = {k: raw[k] for k in ("topk_method", "scoring_func") if k in raw}
+    wrong = {k: v for k, v in stated.items() if k in t.hard_coded and v != t.hard_coded[k]}
+    method = raw.get("topk_method")
+    if t.topk_methods is not None and method not in t.topk_methods:
+        wrong["topk_method"] = method
+    if not t.renormalizes and raw.get("norm_topk_prob"):
+        wrong["norm_topk_prob"] = raw.get("norm_topk_prob")
+    if wrong:
+        asked = ", ".join(f"{k}={v!r}" for k, v in wrong.items())
+        runs = ", ".join(f"{k}={v!r}" for k, v in t.hard_coded.items())
+        if t.topk_methods is not None:
+            runs += f", topk_method one of {sorted(t.topk_methods)}"
+        if not t.renormalizes:
+            runs += ", without renormalising (norm_topk_prob false)"
+        raise InputError(f"unsupported routing for {t.title}: {asked}", file=source,
+                         fix=f"transformers' model routes {runs}; check config.json")
+    return t.scoring, t.topk_methods[method] if t.topk_methods is not None else t.group_score
+
+
+def _check_rotary_dims(cfg: DeepseekConfig, rope: Rope, source: object) -> None:
+    """The dims transformers rotates (its rotary head times any partial_rotary_factor) must be qk_rope_head_dim."""
+    factor = rope.params.get("partial_rotary_factor")
+    if factor is None:
+        return
+    head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.type.rope_head_dim == "qk_head_dim" \
+        else cfg.qk_rope_head_dim
+    if int(head * float(factor)) != cfg.qk_rope_head_dim:
+        raise InputError(f"partial_rotary_factor {factor} rotates {int(head * float(factor))} dims of each head, "
+                         f"not its qk_rope_head_dim ({cfg.qk_rope_head_dim})", file=source,
+                         fix="use the config.json published with the checkpoint")
+
+
+def _llama4_scaling(t: MlaType, rope: Rope, source: object) -> tuple[float, int]:
+    """Mistral 4's query scaling (llama_4_scaling_beta over original_max_position_embeddings); (0, 1): none."""
+    if not t.llama4_scaling:
+        return 0.0, 1
+    beta, original = rope.params.get("llama_4_scaling_beta"), rope.params.get("original_max_position_embeddings")
+    if beta is None or not original:
+        raise InputError(f"{t.title} scales queries by the rope parameters' llama_4_scaling_beta and "
+                         "original_max_position_embeddings, and config.json lacks one", file=source,
+                         fix="use the config.json published with the checkpoint")
+    return float(beta), int(original)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -1,4 +1,5 @@
-"""DeepSeek V2/V3 transformer (MLA + MoE) with tensor/expert parallelism, for verify.
+"""The MLA transformer (DeepSeek V2/V3/V3.2, Kimi-K2, GLM-5, Mistral 4: MLA + MoE) with tensor/expert
+parallelism, for verify.
 
 Parameter names are exactly those of the reference model.py, so `model{i}-mp{N}.safetensors` loads
 into `Transformer(args, ParallelContext(i, N))` one to one. Shapes: B batch, S new tokens,
@@ -11,14 +12,15 @@ import math
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ckpttool.errors import InputError
 from ckpttool.families.deepseek.args import ModelArgs, yarn_mscale
-from ckpttool.model.decoder import FeedForward
+from ckpttool.model.decoder import DenseLinear, FeedForward
 from ckpttool.model.moe import MoE, Routing
 from ckpttool.model.norms import RMSNorm
-from ckpttool.model.parallel import ColumnParallelLinear, Linear, ParallelContext, ParallelEmbedding, RowParallelLinear
+from ckpttool.model.parallel import ColumnParallelLinear, Linear, ParallelContext, ParallelEmbedding
 
 AttnImpl = Literal["absorb", "naive"]
 
@@ -87,24 +89,26 @@ class MLA(nn.Module):
     """Multi-head latent attention. `absorb` caches the normalised latent (kv_lora_rank per token) and
     folds wkv_b into q and the output; `naive` expands keys/values per head and caches those."""
 
-    def __init__(self, args: ModelArgs, ctx: ParallelContext, dtype: torch.dtype, attn_impl: AttnImpl):
+    def __init__(self, args: ModelArgs, ctx: ParallelContext, dtype: torch.dtype, attn_impl: AttnImpl,
+                 indexer: bool = False):
         super().__init__()
         self.args, self.attn_impl = args, attn_impl
         self.n_local_heads = ctx.split(args.n_heads, "num_attention_heads")
-        q_out = args.n_heads * args.qk_head_dim
+        q_out, bias = args.n_heads * args.qk_head_dim, args.attention_bias
         if args.q_lora_rank == 0:
             self.wq = ColumnParallelLinear(ctx, args.dim, q_out, dtype, args.fp8)
         else:
-            self.wq_a = Linear(args.dim, args.q_lora_rank, dtype, args.fp8)
+            self.wq_a = DenseLinear(args.dim, args.q_lora_rank, dtype, args.fp8, bias)
             self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps, dtype)
             self.wq_b = ColumnParallelLinear(ctx, args.q_lora_rank, q_out, dtype, args.fp8)
-        self.wkv_a = Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, dtype, args.fp8)
+        self.wkv_a = DenseLinear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, dtype, args.fp8, bias)
         self.kv_norm = RMSNorm(args.kv_lora_rank, args.norm_eps, dtype)
         self.wkv_b = ColumnParallelLinear(ctx, args.kv_lora_rank,
                                           args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), dtype, args.fp8)
-        self.wo = RowParallelLinear(ctx, args.n_heads * args.v_head_dim, args.dim, dtype, args.fp8)
+        self.wo = DenseLinear(ctx.split(args.n_heads * args.v_head_dim, "input features"), args.dim, dtype, args.fp8,
+                              bias, row_ctx=ctx)
         self.softmax_scale = args.softmax_scale
-        if args.index_n_heads:
+        if indexer:
             self.indexer = Indexer(args, dtype)
 
     def setup_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -124,6 +128,10 @@ class MLA(nn.Module):
         q = q.view(bsz, seqlen, self.n_local_heads, a.qk_head_dim)
         q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         q_pe = apply_rope(q_pe, freqs, a.rope_interleave)  # [B, S, H, rope]
+        if a.llama4_beta:  # Mistral 4: 1 + beta * log(1 + floor(pos / original)) on the whole rotated query
+            pos = torch.arange(start_pos, end, device=x.device, dtype=torch.float32)
+            scale = (1 + a.llama4_beta * torch.log(1 + torch.floor(pos / a.llama4_original))).to(q.dtype)
+            q_nope, q_pe = q_nope * scale[:, None, None], q_pe * scale[:, None, None]
         kv, k_pe = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
         k_pe = apply_rope(k_pe.unsqueeze(2), freqs, a.rope_interleave)  # [B, S, 1, rope], shared by heads
         kv = self.kv_norm(kv)  # [B, S, kv_lora_rank]
@@ -169,7 +177,7 @@ class Block(nn.Module):
     def __init__(self, layer: int, args: ModelArgs, ctx: ParallelContext, dtype: torch.dtype, attn_impl: AttnImpl):
         super().__init__()
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
-        self.attn = MLA(args, ctx, dtype, attn_impl)
+        self.attn = MLA(args, ctx, dtype, attn_impl, indexer=bool(args.indexer_layers and args.indexer_layers[layer]))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, dtype)
         self.ffn = (MoE(routing(args), args.dim, args.moe_inter_dim, ctx, dtype, args.fp8,
                         shared_inter=args.n_shared_experts * args.moe_inter_dim) if args.moe_layers[layer]
@@ -190,7 +198,8 @@ class Transformer(nn.Module):
         self.embed = ParallelEmbedding(ctx, args.vocab_size, args.dim, dtype)
         self.layers = nn.ModuleList(Block(i, args, ctx, dtype, attn_impl) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, dtype)
-        self.head = ColumnParallelLinear(ctx, args.dim, args.vocab_size, dtype, what="vocab_size")
+        if not args.tie_word_embeddings:  # tied: each rank's embedding rows are its vocabulary slice of the head
+            self.head = ColumnParallelLinear(ctx, args.dim, args.vocab_size, dtype, what="vocab_size")
         self.max_seq_len = 0
 
     def setup_caches(self, batch: int, max_seq_len: int) -> None:
@@ -223,4 +232,5 @@ class Transformer(nn.Module):
         h = self.norm(h)
         if not all_positions:
             h = h[:, -1]
-        return self.ctx.all_gather_last_dim(self.head(h)).float()
+        logits = F.linear(h, self.embed.weight) if self.args.tie_word_embeddings else self.head(h)
+        return self.ctx.all_gather_last_dim(logits).float()

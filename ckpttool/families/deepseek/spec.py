@@ -1,4 +1,5 @@
-"""DeepSeek V2 / V2-Lite / V3 / R1: config, tensor shapes and the HF <-> reference-mp key table.
+"""The MLA family (DeepSeek V2 / V3 / V3.2, Kimi-K2, GLM-5, Mistral 4): config, tensor shapes and the HF <->
+reference-mp key table. Each model type's differences are a row of types.py, read here by one code path.
 
 The key table carries rename and shard together, exactly as the reference convert.py does:
 `(hf template, native template, split)` where split is a dim to cut for tensor parallelism,
@@ -10,51 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckpttool.errors import InputError, PlanError
 from ckpttool.families.base import (config_fields, decoder_shapes, layer_index, mtp_shapes, rope_theta_of,
                                     state_fields)
+from ckpttool.families.deepseek.types import MODEL_TYPES, ROUTING_FIELDS, TYPES, MlaType
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
-from ckpttool.errors import InputError, PlanError
 
-MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
-V3_ARCHITECTURE = ("deepseek_v3", "deepseek_v32", "kimi_k2")
-"""model types with DeepSeek-V3's router: sigmoid scores, e_score_correction_bias, grouped top-k (noaux_tc)"""
-
-_SHARED_DEFAULTS = {
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "moe_layer_freq": 1,
-}
-CONFIG_DEFAULTS: dict[str, dict] = {
-    "deepseek_v2": {**_SHARED_DEFAULTS, "vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008,
-                    "moe_intermediate_size": 1407, "num_hidden_layers": 32, "num_attention_heads": 32,
-                    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": None,
-                    "first_k_dense_replace": 0, "num_nextn_predict_layers": 0, "topk_method": "greedy",
-                    "scoring_func": "softmax", "n_group": None, "topk_group": None, "norm_topk_prob": False,
-                    "routed_scaling_factor": 1.0, "max_position_embeddings": 2048},
-    "deepseek_v3": {**_SHARED_DEFAULTS, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-                    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
-                    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
-                    "first_k_dense_replace": 3, "num_nextn_predict_layers": 1, "topk_method": "noaux_tc",
-                    "scoring_func": "sigmoid", "n_group": 8, "topk_group": 4, "norm_topk_prob": True,
-                    "routed_scaling_factor": 2.5, "rope_interleave": True, "max_position_embeddings": 4096},
-}
-"""What transformers' DeepseekV2Config / DeepseekV3Config hold for a field config.json leaves out (and what
-their models do: V2 routes softmax greedy or group-limited, V3 noaux_tc over sigmoid). Kimi-K2 is the V3
-architecture under its own model_type. tests/test_config_reading.py holds these to the installed classes."""
-CONFIG_DEFAULTS["kimi_k2"] = CONFIG_DEFAULTS["deepseek_v3"]
-CONFIG_DEFAULTS["deepseek_v32"] = {**CONFIG_DEFAULTS["deepseek_v3"], "num_nextn_predict_layers": 0,
-                                   "max_position_embeddings": 163840, "index_topk": 2048, "index_head_dim": 128,
-                                   "index_n_heads": 64, "attention_bias": False}
-"""DeepSeek-V3.2 (transformers' DeepseekV32Config): V3 plus the sparse-attention indexer; the class has no
-MTP field (published configs state num_nextn_predict_layers) and reads `mlp_layer_types` if given."""
-
-
-DEFAULT_ROPE_THETA = 10000.0  # DeepseekV2Config's and DeepseekV3Config's
-ROUTING_FIELDS = ("topk_method", "scoring_func", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
-                  "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",
-                  "moe_layer_freq")
-"""What the HF outputs state explicitly (Family.explicit_config): transformers 5 saves a V3 config without
-topk_method / scoring_func (its model hard-codes noaux_tc over sigmoid), and vLLM and llama.cpp then route
-with softmax, or fail on the correction bias."""
+CONFIG_DEFAULTS: dict[str, dict] = {t: row.defaults for t, row in TYPES.items()}
+"""What each transformers config class holds for a field config.json leaves out, by model_type (types.py)."""
+DEFAULT_ROPE_THETA = 10000.0  # every MLA config class's
 
 
 def with_defaults(raw: dict) -> dict:
@@ -63,9 +28,10 @@ def with_defaults(raw: dict) -> dict:
 
 
 def explicit_config(raw: dict, source: object = "config.json") -> dict:
-    """config.json with the routing fields and rope_theta its model type defaults to stated."""
+    """config.json with the routing fields and rope_theta its model type defaults to (or hard-codes) stated."""
     DeepseekConfig.from_dict(raw, source)  # refuse what the planner would refuse, with its message
-    defaults = CONFIG_DEFAULTS.get(raw.get("model_type"), {})
+    row = TYPES[raw["model_type"]]
+    defaults = {**row.defaults, **row.hard_coded}
     return state_fields(raw, {k: defaults.get(k) for k in ROUTING_FIELDS},
                         theta=rope_theta_of(raw, DEFAULT_ROPE_THETA))
 
@@ -78,7 +44,11 @@ _ATTN = [
     ("self_attn.kv_a_layernorm.weight", "attn.kv_norm.weight", None),
     ("self_attn.kv_b_proj.weight", "attn.wkv_b.weight", 0, LINEAR),
     ("self_attn.o_proj.weight", "attn.wo.weight", 1, LINEAR),
-    # DeepSeek-V3.2's indexer: replicated on every rank (its wq_b is not MLA's wq_b, which is split)
+    # attention_bias: the replicated projections' biases, and o_proj's, added once after the all-reduce
+    ("self_attn.q_a_proj.bias", "attn.wq_a.bias", None),
+    ("self_attn.kv_a_proj_with_mqa.bias", "attn.wkv_a.bias", None),
+    ("self_attn.o_proj.bias", "attn.wo.bias", None),
+    # the DSA indexer (DeepSeek-V3.2, GLM-5): replicated on every rank (its wq_b is not MLA's wq_b, which is split)
     ("self_attn.indexer.wq_b.weight", "attn.indexer.wq_b.weight", None, LINEAR),
     ("self_attn.indexer.wk.weight", "attn.indexer.wk.weight", None, LINEAR),
     ("self_attn.indexer.k_norm.weight", "attn.indexer.k_norm.weight", None),
@@ -125,7 +95,8 @@ KEY_MAP = KeyMap(KEY_TABLE)
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DeepseekConfig:
-    """The fields of an HF DeepSeek V2/V3 config.json that decide tensor names, shapes and routing."""
+    """The fields of an MLA config.json that decide tensor names, shapes and routing, read through the
+    model type's row (types.py)."""
 
     model_type: str
     vocab_size: int
@@ -147,40 +118,60 @@ class DeepseekConfig:
     num_nextn_predict_layers: int
     has_correction_bias: bool
     tie_word_embeddings: bool
-    index_n_heads: int = 0  # DeepSeek-V3.2's indexer; 0: none
+    attention_bias: bool = False  # q_a_proj, kv_a_proj_with_mqa and o_proj carry biases
+    index_n_heads: int = 0  # the DSA indexer (DeepSeek-V3.2, GLM-5); 0: none
     index_head_dim: int = 0
-    mlp_layer_types: tuple[str, ...] | None = None  # V3.2: "dense" / "sparse" per layer, when given
+    mlp_layer_types: tuple[str, ...] | None = None  # "dense" / "sparse" per layer, when given
+    indexer_types: tuple[bool, ...] | None = None  # GLM-5: whether each layer runs its own indexer, when listed
+    index_topk_freq: int = 1  # else: layer i runs one where max(i - offset + 1, 0) % freq == 0
+    index_skip_topk_offset: int = 2
+
+    @property
+    def type(self) -> MlaType:
+        return TYPES[self.model_type]
 
     @classmethod
     def from_dict(cls, raw: dict, source: object = "config.json") -> "DeepseekConfig":
-        raw = with_defaults(raw)
+        model_type = raw.get("model_type")
+        if model_type not in TYPES:
+            raise InputError(f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}", file=source)
+        t = TYPES[model_type]
+        d = with_defaults(raw)
         with config_fields(source):
-            model_type = raw["model_type"]
+            layers = int(d["num_hidden_layers"])
+            indexer = t.indexer and int(d["index_n_heads"]) > 0
             cfg = cls(
                 model_type=model_type,
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=int(raw["hidden_size"]),
-                intermediate_size=int(raw["intermediate_size"]),
-                moe_intermediate_size=int(raw["moe_intermediate_size"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]),
-                num_attention_heads=int(raw["num_attention_heads"]),
-                n_routed_experts=int(raw["n_routed_experts"]),
-                n_shared_experts=int(raw.get("n_shared_experts") or 0),
-                num_experts_per_tok=int(raw["num_experts_per_tok"]),
-                first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
-                moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
-                q_lora_rank=int(raw["q_lora_rank"]) if raw.get("q_lora_rank") else None,
-                kv_lora_rank=int(raw["kv_lora_rank"]),
-                qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
-                qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
-                v_head_dim=int(raw["v_head_dim"]),
-                num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", 0)),
-                has_correction_bias=model_type in V3_ARCHITECTURE or raw.get("topk_method") == "noaux_tc",
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                index_n_heads=int(raw["index_n_heads"]) if model_type == "deepseek_v32" else 0,
-                index_head_dim=int(raw["index_head_dim"]) if model_type == "deepseek_v32" else 0,
-                mlp_layer_types=_mlp_layer_types(raw, source) if model_type == "deepseek_v32" else None,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]),
+                moe_intermediate_size=int(d["moe_intermediate_size"]),
+                num_hidden_layers=layers,
+                num_attention_heads=int(d["num_attention_heads"]),
+                n_routed_experts=int(d["n_routed_experts"]),
+                n_shared_experts=int(d.get("n_shared_experts") or 0),
+                num_experts_per_tok=int(d["num_experts_per_tok"]),
+                first_k_dense_replace=int(d.get("first_k_dense_replace") or 0),
+                moe_layer_freq=int(d.get("moe_layer_freq", 1)) if t.moe_layer_freq else 1,
+                q_lora_rank=int(d["q_lora_rank"]) if d.get("q_lora_rank") else None,
+                kv_lora_rank=int(d["kv_lora_rank"]),
+                qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+                v_head_dim=int(d["v_head_dim"]),
+                num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
+                has_correction_bias=t.correction_bias,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias") or False),
+                index_n_heads=int(d["index_n_heads"]) if indexer else 0,
+                index_head_dim=int(d["index_head_dim"]) if indexer else 0,
+                mlp_layer_types=_per_layer(d, "mlp_layer_types", ("dense", "sparse"), layers, source)
+                if t.mlp_layer_types else None,
+                **(_indexer_schedule(d, layers, source) if indexer and t.shared_indexers else {}),
             )
+        if t.needs_q_lora and not cfg.q_lora_rank:
+            raise InputError(f"{model_type} without q_lora_rank is not supported", file=source,
+                             fix=f"transformers' {model_type} model always projects queries through q_lora_rank; "
+                                 "use the config.json published with the checkpoint")
         if cfg.n_routed_experts and not 0 < cfg.num_experts_per_tok <= cfg.n_routed_experts:
             raise InputError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) is not in 1..{cfg.n_routed_experts} "
                              "(n_routed_experts)", file=source, fix="use the config.json published with the checkpoint")
@@ -198,41 +189,76 @@ class DeepseekConfig:
     def is_mtp_layer(self, layer: int) -> bool:
         return layer >= self.num_hidden_layers
 
+    def has_indexer(self, layer: int) -> bool:
+        """Whether a layer runs (and holds) its own indexer: every layer of a type with one, but GLM-5's
+        "shared" layers, which reuse the previous full layer's top-k. MTP layers run their own."""
+        if not self.index_n_heads:
+            return False
+        if self.indexer_types is not None:
+            return layer >= len(self.indexer_types) or self.indexer_types[layer]
+        return layer >= self.num_hidden_layers or \
+            max(layer - self.index_skip_topk_offset + 1, 0) % self.index_topk_freq == 0
 
-def _mlp_layer_types(raw: dict, source: object) -> tuple[str, ...] | None:
-    types = raw.get("mlp_layer_types")
+
+def _per_layer(d: dict, key: str, values: tuple[str, ...], layers: int, source: object) -> tuple[str, ...] | None:
+    """A per-layer list field (`mlp_layer_types`), when given: one of `values` for each layer."""
+    types = d.get(key)
     if types is None:
         return None
-    if not isinstance(types, list) or len(types) != int(raw["num_hidden_layers"]) or set(types) - {"dense", "sparse"}:
-        raise InputError(f"mlp_layer_types {types!r} is not one of 'dense' / 'sparse' per layer", file=source,
-                        fix="use the config.json published with the checkpoint")
+    if not isinstance(types, list) or len(types) != layers or set(types) - set(values):
+        raise InputError(f"{key} {types!r} is not one of {' / '.join(map(repr, values))} per layer", file=source,
+                         fix="use the config.json published with the checkpoint")
     return tuple(types)
 
 
+def _indexer_schedule(d: dict, layers: int, source: object) -> dict:
+    """GlmMoeDsaConfig's per-layer indexer mode: `indexer_types`, else `index_topk_pattern` ("F"/"S" per layer,
+    or a list), else the rule of `index_topk_freq` and `index_skip_topk_offset` (kept as a rule, not a list)."""
+    types = d.get("indexer_types")
+    if types is None and isinstance(pattern := d.get("index_topk_pattern"), str):
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+    elif types is None and pattern is not None:
+        types = pattern
+    if types is not None:
+        listed = _per_layer({"indexer_types": types}, "indexer_types", ("full", "shared"), layers, source)
+        if listed and listed[0] != "full":
+            raise InputError("indexer_types starts with a 'shared' layer, which has no earlier top-k to reuse",
+                             file=source, fix="use the config.json published with the checkpoint")
+        return {"indexer_types": tuple(t == "full" for t in listed)}
+    freq = max(int(d.get("index_topk_freq", 1)), 1)
+    return {"index_topk_freq": freq, "index_skip_topk_offset": int(d.get("index_skip_topk_offset", 2))}
+
+
 def hf_tensor_shapes(cfg: DeepseekConfig, *, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF DeepSeek checkpoint of this config holds (weights only, no FP8 scales)."""
+    """Every tensor an HF checkpoint of this config holds (weights and biases only, no FP8 scales)."""
     h, heads = cfg.hidden_size, cfg.num_attention_heads
     qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     n_layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
     shapes, prefixes = decoder_shapes(cfg.vocab_size, h, n_layers, tie_word_embeddings=cfg.tie_word_embeddings)
     for layer, p in enumerate(prefixes):
+        a = p + "self_attn."
         if cfg.q_lora_rank:
-            shapes[p + "self_attn.q_a_proj.weight"] = (cfg.q_lora_rank, h)
-            shapes[p + "self_attn.q_a_layernorm.weight"] = (cfg.q_lora_rank,)
-            shapes[p + "self_attn.q_b_proj.weight"] = (heads * qk_head, cfg.q_lora_rank)
+            shapes[a + "q_a_proj.weight"] = (cfg.q_lora_rank, h)
+            shapes[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            shapes[a + "q_b_proj.weight"] = (heads * qk_head, cfg.q_lora_rank)
         else:
-            shapes[p + "self_attn.q_proj.weight"] = (heads * qk_head, h)
-        shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
-        shapes[p + "self_attn.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
-        shapes[p + "self_attn.kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        shapes[p + "self_attn.o_proj.weight"] = (h, heads * cfg.v_head_dim)
-        if cfg.index_n_heads:
+            shapes[a + "q_proj.weight"] = (heads * qk_head, h)
+        shapes[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
+        shapes[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+        shapes[a + "kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        shapes[a + "o_proj.weight"] = (h, heads * cfg.v_head_dim)
+        if cfg.attention_bias:  # transformers' MLA: on q_a_proj (with q_lora_rank), kv_a_proj_with_mqa, o_proj
+            if cfg.q_lora_rank:
+                shapes[a + "q_a_proj.bias"] = (cfg.q_lora_rank,)
+            shapes[a + "kv_a_proj_with_mqa.bias"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
+            shapes[a + "o_proj.bias"] = (h,)
+        if cfg.has_indexer(layer):
             d = cfg.index_head_dim
-            shapes[p + "self_attn.indexer.wq_b.weight"] = (cfg.index_n_heads * d, cfg.q_lora_rank)
-            shapes[p + "self_attn.indexer.wk.weight"] = (d, h)
-            shapes[p + "self_attn.indexer.k_norm.weight"] = (d,)
-            shapes[p + "self_attn.indexer.k_norm.bias"] = (d,)
-            shapes[p + "self_attn.indexer.weights_proj.weight"] = (cfg.index_n_heads, h)
+            shapes[a + "indexer.wq_b.weight"] = (cfg.index_n_heads * d, cfg.q_lora_rank)
+            shapes[a + "indexer.wk.weight"] = (d, h)
+            shapes[a + "indexer.k_norm.weight"] = (d,)
+            shapes[a + "indexer.k_norm.bias"] = (d,)
+            shapes[a + "indexer.weights_proj.weight"] = (cfg.index_n_heads, h)
         if cfg.is_moe_layer(layer) or cfg.is_mtp_layer(layer):
             inter = cfg.moe_intermediate_size
             shapes[p + "mlp.gate.weight"] = (cfg.n_routed_experts, h)

@@ -1,4 +1,4 @@
-"""verify's DeepSeek loaders: an mp shard (mp names as they are), or a whole HF checkpoint at mp=1
+"""verify's MLA loaders: an mp shard (mp names as they are), or a whole HF checkpoint at mp=1
 through KEY_MAP (MTP layers, which the bundled model does not have, are skipped), and the comparison
 of every loaded weight with its slice of a reference HF checkpoint."""
 
@@ -27,9 +27,12 @@ def hf_name_and_split(native: str) -> tuple[str, object]:
     return mapped.name, mapped.split if isinstance(mapped.split, int) else None
 
 
-def load_hf_checkpoint(model: nn.Module, directory: Path, n_layers: int) -> None:
-    """Load a whole HF DeepSeek checkpoint into an mp=1 model; MTP layers (>= n_layers) are skipped."""
+def load_hf_checkpoint(model: nn.Module, directory: Path, n_layers: int, prepare=None) -> None:
+    """Load a whole HF checkpoint into an mp=1 model; MTP layers (>= n_layers) are skipped. `prepare(ckpt)`
+    runs first (a wrapper names its text tower as this family does)."""
     with Checkpoint(directory) as ckpt:
+        if prepare is not None:
+            prepare(ckpt)
         unstack_experts(ckpt, KEY_MAP, model.args.n_routed_experts)
         params = dict(model.named_parameters())
         wanted = {hf_name_and_split(name)[0]: name for name in params}
@@ -45,8 +48,13 @@ def load_hf_checkpoint(model: nn.Module, directory: Path, n_layers: int) -> None
 
 
 def weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, n_layers: int,
-                       shard: Path, limit: int = MAX_LISTED) -> list[str]:
-    """Every loaded weight against its slice of the reference HF checkpoint."""
+                       shard: Path, limit: int = MAX_LISTED, prepare=None) -> list[str]:
+    """Every loaded weight against its slice of the reference HF checkpoint (`prepare(ckpt)` first)."""
+
+    def prepared(ckpt: Checkpoint) -> None:
+        if prepare is not None:
+            prepare(ckpt)
+        unstack_experts(ckpt, KEY_MAP, model.args.n_routed_experts)
 
     def source(name: str, ckpt: Checkpoint) -> tuple[str, tuple[int, int, int] | None]:
         hf, split = hf_name_and_split(name)
@@ -55,20 +63,20 @@ def weight_differences(model: nn.Module, ctx: ParallelContext, reference: Path, 
         part = ckpt.source(hf).info.shape[split] // ctx.world_size
         return hf, (split, ctx.rank * part, part)
 
-    return reference_differences(model, reference, shard, source, limit,
-                                 prepare=lambda ckpt: unstack_experts(ckpt, KEY_MAP, model.args.n_routed_experts))
+    return reference_differences(model, reference, shard, source, limit, prepare=prepared)
 
 
-def load_shard(model: Transformer, path: Path) -> int:
+def load_shard(model: Transformer, path: Path, skip=None) -> int:
     """An mp shard, strictly; the MTP layers config.json declares (kept by `--keep-mtp`) are not part
-    of the model verify runs and are skipped (and counted). A layer past those is still an error."""
+    of the model verify runs and are skipped (and counted), as are the tensors `skip` names. A layer past
+    those is still an error."""
     mtp = range(model.args.n_layers, model.args.n_layers + model.args.n_mtp_layers)
 
     def is_mtp(native: str) -> bool:
         parts = native.split(".")
         return len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) in mtp
 
-    return load_mp_shard(model, path, skip=is_mtp)
+    return load_mp_shard(model, path, skip=is_mtp if skip is None else lambda n: is_mtp(n) or skip(n))
 
 
 VERIFIER = Verifier(

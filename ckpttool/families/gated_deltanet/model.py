@@ -22,7 +22,7 @@ from ckpttool.families.gated_deltanet.spec import HybridConfig
 from ckpttool.model.decoder import ROPE_TYPES, DenseLinear, FeedForward, apply_rope, kv_cache, rope_inv_freq
 from ckpttool.model.delta import ShortConv, delta_rule, l2norm
 from ckpttool.model.moe import MoE, Routing
-from ckpttool.model.norms import GatedRMSNorm, ZeroCenteredRMSNorm
+from ckpttool.model.norms import GatedRMSNorm, GemmaRMSNorm
 from ckpttool.model.parallel import Linear, ParallelContext, ParallelEmbedding
 
 
@@ -61,8 +61,8 @@ class GatedAttention(nn.Module):
         self.wk = DenseLinear(h, self.n_kv_heads * d, dtype, False, bias)
         self.wv = DenseLinear(h, self.n_kv_heads * d, dtype, False, bias)
         self.wo = DenseLinear(self.n_heads * d, h, dtype, False, bias, row_ctx=ctx)
-        self.q_norm = ZeroCenteredRMSNorm(d, c.rms_norm_eps, dtype)
-        self.k_norm = ZeroCenteredRMSNorm(d, c.rms_norm_eps, dtype)
+        self.q_norm = GemmaRMSNorm(d, c.rms_norm_eps, dtype)
+        self.k_norm = GemmaRMSNorm(d, c.rms_norm_eps, dtype)
 
     def setup_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
         kv_cache(self, (batch, max_seq_len, self.n_kv_heads, self.head_dim), dtype, device)
@@ -153,8 +153,8 @@ class HybridLayer(nn.Module):
     def __init__(self, args: HybridArgs, layer: int, ctx: ParallelContext, dtype: torch.dtype):
         super().__init__()
         c = args.cfg
-        self.attention_norm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.ffn_norm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.attention_norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.ffn_norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.linear = c.layer_types[layer] == "linear_attention"
         if self.linear:
             self.linear_attn = GatedDeltaNet(c, ctx, dtype)
@@ -185,7 +185,7 @@ class HybridTransformer(nn.Module):
         self.args, self.ctx, self.dtype = args, ctx, dtype
         self.tok_embeddings = ParallelEmbedding(ctx, c.vocab_size, c.hidden_size, dtype)
         self.layers = nn.ModuleList(HybridLayer(args, i, ctx, dtype) for i in range(c.num_hidden_layers))
-        self.norm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if not c.tie_word_embeddings:
             self.output = Linear(c.hidden_size, ctx.split(c.vocab_size, "vocab_size"), dtype)
         self.max_seq_len = 0

@@ -1,5 +1,5 @@
-"""Mixture-of-experts decoders with Llama-style attention: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5
-and MiniMax-M2. Its FAMILY row; the family's files are laid out as families/base.py describes."""
+"""Mixture-of-experts decoders with Llama-style attention: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, GLM-4.5,
+MiniMax-M2 and ERNIE-4.5-MoE. Its FAMILY row; the family's files are laid out as families/base.py describes."""
 
 from __future__ import annotations
 
@@ -28,5 +28,10 @@ FAMILY = Family(
     mtp_config_key="num_nextn_predict_layers",
     explicit_config=spec.explicit_config,
     quantize=True,
-    buffers=("e_score_correction_bias",),  # a registered buffer in transformers' routers
+    # a registered buffer in GLM's and MiniMax-M2's routers (ERNIE's moe_statics.e_score_correction_bias is a
+    # parameter, and counts)
+    buffers=("gate.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias"),
+    refused_types={"longcat_flash": "LongCat-Flash's layers (two MLA attention sublayers with LoRA scaling, two MLPs "
+                                    "and a shortcut MoE whose router also picks zero (identity) experts) are not "
+                                    "implemented by ckpttool's MoE model"},
 )

@@ -2,7 +2,7 @@
 feed-forward is routed experts (model/moe.py) on MoE layers and a SwiGLU MLP on dense ones.
 
 Parameter names are the mp names of families/moe/spec.py, so `model{i}-mp{N}.safetensors` loads into
-`MoeTransformer(args, ParallelContext(i, N))` one to one. MTP layers (GLM-4.5) are not part of it.
+`MoeTransformer(args, ParallelContext(i, N))` one to one. MTP layers (GLM-4.5, ERNIE-4.5) are not part of it.
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ class MoeArgs(ConfigArgs):
             qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.rms_norm_eps,
             inv_freq=tuple(inv_freq.tolist()), attention_scaling=scaling,
             sliding_windows=sliding_windows(raw, cfg.num_hidden_layers), tie_word_embeddings=cfg.tie_word_embeddings,
-            fp8=declares_fp8_block(raw.get("quantization_config"), source), clip_qkv=cfg.clip_qkv)
+            fp8=declares_fp8_block(raw.get("quantization_config"), source), clip_qkv=cfg.clip_qkv,
+            rope_interleaved=cfg.type.rope_interleaved, lm_head_bias=cfg.lm_head_bias)
         routing = Routing(experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, scoring=cfg.scoring,
-                          correction_bias=cfg.type.correction_bias is not None, groups=cfg.n_group,
+                          correction_bias=cfg.type.correction_bias is not None,
+                          correction_bias_rows=cfg.type.correction_bias_rows, groups=cfg.n_group,
                           topk_groups=cfg.topk_group, normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
         return cls(cfg=cfg, shape=shape, routing=routing, eos_token_ids=eos_ids(raw))
 
@@ -50,9 +52,9 @@ class MoeTransformer(Decoder):
 
         def feed_forward(layer: int):
             if not c.is_moe_layer(layer):
-                return FeedForward(c.hidden_size, c.intermediate_size, dtype, fp8, ctx=ctx)
+                return FeedForward(c.hidden_size, c.intermediate_size, dtype, fp8, ctx=ctx, bias=c.mlp_bias)
             return MoE(args.routing, c.hidden_size, c.expert_intermediate_size, ctx, dtype, fp8,
-                       shared_inter=c.shared_intermediate_size, shared_gate=c.type.shared_gate)
+                       shared_inter=c.shared_intermediate_size, shared_gate=c.type.shared_gate, shared_bias=c.mlp_bias)
 
         super().__init__(args.shape, ctx, dtype, feed_forward)
         self.args = args

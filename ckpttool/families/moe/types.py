@@ -24,6 +24,41 @@ def _field(name: str, cast=int):
 
 
 @dataclass(frozen=True, slots=True)
+class MtpNames:
+    """How a type's checkpoints name their MTP layers (transformers builds none of them: the planner keeps or
+    drops them, the bundled model skips them). MTP layer i is a decoder layer under `layer` (its feed-forward
+    routed experts when `moe`, else a dense MLP) plus `extras`: (HF template, native template, shape in units of
+    the hidden size "H" and vocabulary "V"). Templates say `{layer}` (numbered after the main layers) or `{mtp}`
+    (numbered from 0)."""
+
+    layer: str
+    native: str
+    moe: bool
+    extras: tuple[tuple[str, str, tuple[str, ...]], ...]
+
+    @property
+    def after_main(self) -> bool:
+        return "{layer}" in self.layer
+
+
+DEEPSEEK_MTP = MtpNames(
+    "model.layers.{layer}.", "layers.{layer}.", moe=True, extras=tuple(
+        ("model.layers.{layer}." + hf, "layers.{layer}." + native, shape) for hf, native, shape in (
+            ("enorm.weight", "enorm.weight", ("H",)), ("hnorm.weight", "hnorm.weight", ("H",)),
+            ("eh_proj.weight", "eh_proj.weight", ("H", "2H")), ("embed_tokens.weight", "embed.weight", ("V", "H")),
+            ("shared_head.norm.weight", "shared_head.norm.weight", ("H",)),
+            ("shared_head.head.weight", "shared_head.head.weight", ("V", "H")))))
+"""DeepSeek's (GLM-4.5): a full MoE decoder layer after the main ones, with its own norms, projection, embedding
+and head"""
+ERNIE_MTP = MtpNames(
+    "model.mtp_block.{mtp}.", "mtp.{mtp}.", moe=False, extras=(
+        ("model.mtp_emb_norm.{mtp}.weight", "mtp.{mtp}.enorm.weight", ("H",)),
+        ("model.mtp_hidden_norm.{mtp}.weight", "mtp.{mtp}.hnorm.weight", ("H",)),
+        ("model.mtp_linear_proj.{mtp}.weight", "mtp.{mtp}.eh_proj.weight", ("H", "2H"))))
+"""ERNIE-4.5's, as vLLM's ErnieMTP loads them: a dense decoder layer `mtp_block.{i}` and three tensors beside it"""
+
+
+@dataclass(frozen=True, slots=True)
 class MoeType:
     # -- names
     block: str
@@ -32,16 +67,23 @@ class MoeType:
     """HF names of an expert's gate, up and down projections"""
     correction_bias: str | None = None
     """the router's e_score_correction_bias, relative to the block"""
+    correction_bias_rows: bool = False
+    """stored as [1, experts] (ERNIE's moe_statics), not [experts]"""
     shared: str | None = None
     """the shared expert's module name under `mlp`, if any"""
     shared_gate: bool = False
     """Qwen2-MoE's sigmoid gate on the shared expert"""
-    mtp: bool = False
-    """MTP layers after the decoder, named as DeepSeek's (their count: `mtp_layers`)"""
+    mtp: MtpNames | None = None
+    """how its MTP layers are named (their count: `mtp_layers`)"""
+    transformers_names: tuple[tuple[str, str], ...] = ()
+    """(what transformers' own model calls a tensor, the published name), under `model.layers.{layer}.`: what
+    save_pretrained(save_original_format=False) writes besides stacking the experts, read as the published name"""
     # -- config fields, read as the transformers class reads them
     defaults: dict = field(default_factory=dict)
     expert_count: tuple[str, ...] = ("num_experts",)
     """fields naming the routed expert count, as the class aliases them (the first is stated when absent)"""
+    top_k: tuple[str, ...] = ("num_experts_per_tok",)
+    """fields naming the experts each token takes, as the class aliases them"""
     expert_width: str = "intermediate_size"
     """the field holding one routed expert's width"""
     default_theta: float = 10000.0
@@ -50,12 +92,17 @@ class MoeType:
     dense_layers: Callable[[dict], frozenset] = _fixed(frozenset())
     """Qwen's mlp_only_layers"""
     first_moe_layer: Callable[[dict], int] = _fixed(0)
-    """GLM's first_k_dense_replace"""
+    """GLM's first_k_dense_replace, ERNIE's moe_layer_start_index"""
+    last_moe_layer: Callable[[dict], int | None] = _fixed(None)
+    """ERNIE's moe_layer_end_index (None: no last)"""
     shared_width: Callable[[dict], int] = _fixed(0)
     """the shared expert's width (0: none)"""
     mtp_layers: Callable[[dict], int] = _fixed(0)
     qkv_bias: Callable[[dict], bool] = lambda d: bool(d.get("attention_bias", False))
     o_bias: Callable[[dict], bool] = _fixed(False)
+    mlp_bias: Callable[[dict], bool] = _fixed(False)
+    """biases on the dense and shared MLPs (not on routed experts)"""
+    lm_head_bias: Callable[[dict], bool] = _fixed(False)
     clip_qkv: Callable[[dict], float | None] = _fixed(None)
     # -- numerics
     qk_norm: str = "none"
@@ -70,6 +117,8 @@ class MoeType:
     partial_rotary: float | None = None
     """the class's partial_rotary_factor where it rotates part of each head; None: the whole head, and a
     config asking for less is refused"""
+    rope_interleaved: bool = False
+    """RoPE rotates adjacent pairs (x0, x1), (x2, x3)... (ERNIE, GLM-style), not the two halves of each head"""
     rotary_dim: bool = False
     """the class derives the rotated share from `rotary_dim` / head_dim (MiniMax-M2)"""
     hard_coded_routing: dict = field(default_factory=dict)
@@ -100,6 +149,7 @@ TYPES: dict[str, MoeType] = {
                       attention_bias=False, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")),
     "mixtral": MoeType(
         "block_sparse_moe", MIXTRAL_LEAVES, expert_count=("num_local_experts", "num_experts"),
+        transformers_names=(("mlp.gate.weight", "block_sparse_moe.gate.weight"),),
         default_theta=1000000.0, norm_topk_prob=_fixed(True),
         defaults=dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
@@ -113,7 +163,7 @@ TYPES: dict[str, MoeType] = {
                       norm_topk_prob=False, attention_bias=False, rms_norm_eps=1e-5, tie_word_embeddings=False,
                       clip_qkv=None, hidden_act="silu")),
     "glm4_moe": MoeType(
-        "mlp", QWEN_LEAVES, correction_bias="gate.e_score_correction_bias", shared="shared_experts", mtp=True,
+        "mlp", QWEN_LEAVES, correction_bias="gate.e_score_correction_bias", shared="shared_experts", mtp=DEEPSEEK_MTP,
         expert_count=("n_routed_experts", "num_local_experts"), expert_width="moe_intermediate_size",
         first_moe_layer=_field("first_k_dense_replace"),
         shared_width=lambda d: int(d["n_shared_experts"]) * int(d["moe_intermediate_size"]),
@@ -129,16 +179,36 @@ TYPES: dict[str, MoeType] = {
                       rms_norm_eps=1e-5, tie_word_embeddings=False, num_nextn_predict_layers=1, hidden_act="silu")),
     "minimax_m2": MoeType(
         "block_sparse_moe", MIXTRAL_LEAVES, correction_bias="e_score_correction_bias",
+        transformers_names=(("mlp.gate.weight", "block_sparse_moe.gate.weight"),
+                            ("mlp.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias")),
         expert_count=("num_local_experts", "num_experts"), default_theta=5000000.0, qk_norm="full",
         scoring="sigmoid", norm_topk_prob=_fixed(True), rotary_dim=True,
         hard_coded_routing={"scoring_func": "sigmoid", "use_routing_bias": True},
         defaults=dict(vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
                       num_attention_heads=48, num_key_value_heads=8, head_dim=128, num_local_experts=256,
                       num_experts_per_tok=8, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")),
+    "ernie4_5_moe": MoeType(
+        "mlp", QWEN_LEAVES, correction_bias="moe_statics.e_score_correction_bias", correction_bias_rows=True,
+        transformers_names=(("mlp.gate.moe_statics.e_score_correction_bias", "mlp.moe_statics.e_score_correction_bias"),),
+        shared="shared_experts", mtp=ERNIE_MTP, expert_count=("moe_num_experts", "num_experts"),
+        top_k=("moe_k", "num_experts_per_tok"), expert_width="moe_intermediate_size", default_theta=500000.0,
+        sparse_step=_field("moe_layer_interval"), first_moe_layer=_field("moe_layer_start_index"),
+        last_moe_layer=lambda d: int(d["num_hidden_layers"]) - 1 if d["moe_layer_end_index"] == -1
+        else int(d["moe_layer_end_index"]),
+        shared_width=lambda d: int(d["moe_num_shared_experts"]) * int(d["moe_intermediate_size"]),
+        mtp_layers=lambda d: int(d.get("num_nextn_predict_layers") or 0),
+        qkv_bias=_field("use_bias", bool), o_bias=_field("use_bias", bool), mlp_bias=_field("use_bias", bool),
+        lm_head_bias=_field("use_bias", bool), norm_topk_prob=_fixed(True), rope_interleaved=True,
+        defaults=dict(vocab_size=103424, hidden_size=2560, intermediate_size=12288, moe_intermediate_size=1536,
+                      num_hidden_layers=28, num_attention_heads=20, num_key_value_heads=4, moe_num_experts=64,
+                      moe_k=6, moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=-1,
+                      moe_layer_interval=1, use_bias=False, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                      hidden_act="silu")),
 }
 MODEL_TYPES = tuple(sorted(TYPES))
 
 ROUTING_FIELDS = ("num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "n_shared_experts",
                   "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "moe_intermediate_size",
-                  "shared_expert_intermediate_size", "use_qk_norm")
+                  "shared_expert_intermediate_size", "use_qk_norm", "moe_k", "moe_num_shared_experts",
+                  "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")
 """the routing fields a rewritten config states where the class defaults them"""

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpttool.families.base import Verifier, layer_index, rank_slice, unstack_experts
+from ckpttool.families.base import Verifier, rank_slice, unstack_experts
 from ckpttool.families.moe.model import MoeArgs, MoeTransformer
-from ckpttool.families.moe.spec import KEY_MAPS, hf_tensor_shapes
+from ckpttool.families.moe.spec import KEY_MAPS, hf_tensor_shapes, is_mtp_tensor
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.model.loading import check_tensors, load_mp_shard, reference_differences
 from ckpttool.model.parallel import ParallelContext
@@ -21,24 +21,25 @@ def _source(model: MoeTransformer, ctx: ParallelContext):
 
 
 def load_shard(model: MoeTransformer, path: Path) -> int:
-    n_layers = model.args.n_layers
+    cfg = model.args.cfg
+    keys = KEY_MAPS[cfg.model_type]
 
     def is_mtp(native: str) -> bool:
-        parts = native.split(".")
-        return len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= n_layers
+        mapped = keys.to_hf(native)
+        return mapped is not None and is_mtp_tensor(cfg, mapped.name)
 
     return load_mp_shard(model, path, skip=is_mtp)
 
 
 def load_hf(model: MoeTransformer, directory: Path, n_layers: int = 0) -> None:
-    """A whole HF checkpoint into an mp=1 model, strictly; MTP layers (>= num_hidden_layers) skipped."""
+    """A whole HF checkpoint into an mp=1 model, strictly; MTP layers skipped."""
     source = _source(model, ParallelContext())
     with Checkpoint(directory) as ckpt:
         unstack_experts(ckpt, KEY_MAPS[model.args.cfg.model_type], model.args.cfg.num_experts)
         params = dict(model.named_parameters())
         names = {source(n)[0]: n for n in params}
-        found = {names.get(hf, hf): (hf, src.info) for hf, src in ckpt.tensors.items()
-                 if (layer_index(hf) or 0) < model.args.n_layers}
+        cfg = model.args.cfg
+        found = {names.get(hf, hf): (hf, src.info) for hf, src in ckpt.tensors.items() if not is_mtp_tensor(cfg, hf)}
         check_tensors(params, found, directory)
         for hf, name in names.items():
             params[name].data.copy_(ckpt.read(hf))
