@@ -212,11 +212,19 @@ PROVEN: tuple[Proven, ...] = (
            "1, 2, 4 (8 refused: heads)", "byte for byte", "mp 1, 2 (as transformers' Qwen3_5MoeForCausalLM)",
            "Qwen3-Next's layers with `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a` (`in_proj_qkv` and the "
            "conv held as q, k, v segments per rank), every layer MoE, tied embeddings; stacked experts read as per "
-           "expert. The multimodal `qwen3_5_moe` is refused (not read yet)",
+           "expert",
            ("test_gated_deltanet.py::test_shard_then_verify_gives_transformers_greedy_tokens",
             "test_gated_deltanet.py::test_shard_mp4_then_merge_is_byte_identical_per_tensor",
-            "test_gated_deltanet.py::test_stacked_experts_shard_as_the_per_expert_checkpoint",
-            "test_gated_deltanet.py::test_the_multimodal_wrapper_is_refused_with_its_reason")),
+            "test_gated_deltanet.py::test_stacked_experts_shard_as_the_per_expert_checkpoint")),
+    Proven("Qwen3.5/3.6 MoE (`qwen3_5_moe`): its text model, vision tower passed through", ("qwen3_5_moe",),
+           "yes; vision tower unchanged", "1, 2, 4 (vision tower whole on rank 0)",
+           "byte for byte (the whole file, MTP layer and vision tower too)",
+           "mp 2 (as transformers' Qwen3_5MoeForCausalLM, its AutoModelForCausalLM)",
+           "text tower as `model.language_model.*` (the hub's and save_pretrained's), `model.visual.*` passed "
+           "through, MTP at the top (`mtp.*`: `text_config.mtp_num_hidden_layers` zeroed when dropped); positions "
+           "of a text prompt are the same on every mrope axis, so verify runs plain partial rotary",
+           ("test_gated_deltanet.py::test_multimodal_wrapper_text_tower_verifies_and_the_rest_passes_through",
+            "test_gated_deltanet.py::test_multimodal_wrapper_merges_back_byte_for_byte_mtp_and_vision_tower_included")),
     Proven("Kimi-Linear (`kimi_linear`), BF16, in the published spelling and transformers' save_pretrained's",
            ("kimi_linear",), "yes", "1, 2, 4 (8 refused: heads)", "byte for byte, each spelling",
            "mp 1, 2 (as transformers' KimiLinearForCausalLM)",

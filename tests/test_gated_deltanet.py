@@ -189,14 +189,6 @@ def test_stacked_experts_shard_as_the_per_expert_checkpoint(hybrid_hf, tmp_path)
         _equal_files(tmp_path / "a" / f"model{r}-mp2.safetensors", tmp_path / "b" / f"model{r}-mp2.safetensors")
 
 
-def test_the_multimodal_wrapper_is_refused_with_its_reason(hybrid_hf, tmp_path):
-    src = tmp_path / "wrapper"
-    shutil.copytree(hybrid_hf["qwen3_5_moe_text"][0], src)
-    (src / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": _config(src)}))
-    proc = run_cli("plan", src, "--mp", 2, check=False)
-    assert proc.returncode != 0 and "is not read yet; its text model (qwen3_5_moe_text) is" in proc.stderr
-
-
 @pytest.mark.parametrize("field, value, message", [
     ("hidden_act", "gelu", "hidden_act 'gelu'"),
     ("layer_types", ["linear_attention", "sliding_attention", "full_attention", "linear_attention"], "layer_types"),
@@ -247,3 +239,57 @@ def test_mtp_layer_is_dropped_by_default_kept_on_request_verified_and_merged(hyb
     run_cli("dequant", src, tmp_path / "hf", "--quiet")  # HF layout: nothing to dequantize, MTP kept, names kept
     _equal_files(src / "model.safetensors", tmp_path / "hf" / "model.safetensors")
     assert _config(tmp_path / "hf")["mtp_num_hidden_layers"] == 1
+
+
+_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+               spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+
+
+@pytest.fixture(scope="module")
+def wrapper_hf(tmp_path_factory):
+    """Qwen3.5 MoE's multimodal checkpoint as transformers saves it (text tower under model.language_model,
+    vision tower model.visual, lm_head), plus an MTP layer at the top (`mtp.*`) as the hub's carry it; with
+    transformers' greedy ids (it ignores the MTP layer)."""
+    text = {**_BASE, **{k: v for k, v in TINY["qwen3_5_moe_text"].items() if k not in ("cls", "config")},
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [1, 1, 0], "mrope_interleaved": True}}
+    spec_ = dict(cls="Qwen3_5MoeForConditionalGeneration", config="Qwen3_5MoeConfig", text_config=text,
+                 vision_config=_VISION, image_token_id=250, video_token_id=251, vision_start_token_id=252,
+                 vision_end_token_id=253)
+    hf = build_hf("qwen3_5_moe", tmp_path_factory.mktemp("qwen3_5_moe") / "hf", spec=spec_)
+    config = _config(hf)
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (hf / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(hf / "model.safetensors"))
+    cfg = spec.HybridConfig.from_dict(config["text_config"])
+    torch.manual_seed(7)
+    tensors.update({name: torch.randn(shape).to(torch.bfloat16) for name, shape in spec.hf_tensor_shapes(cfg).items()
+                    if spec.is_mtp_tensor(cfg, name)})
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    return (hf, *greedy_oracle(hf))
+
+
+def test_multimodal_wrapper_text_tower_verifies_and_the_rest_passes_through(wrapper_hf, tmp_path):
+    hf, ids, logits = wrapper_hf
+    run_cli("shard", hf, tmp_path / "mp", "--mp", 2, "--quiet")
+    shards = load_dir(tmp_path / "mp")
+    assert any(n.startswith("model.visual.") for n in shards["model0-mp2.safetensors"])
+    assert not any(n.startswith(("model.visual.", "mtp.")) for n in shards["model1-mp2.safetensors"])
+    assert _config(tmp_path / "mp")["text_config"]["mtp_num_hidden_layers"] == 0  # MTP dropped from mp outputs
+    report = run_verify(tmp_path / "mp", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf,
+                        logits_path=tmp_path / "logits.safetensors")
+    assert report.ok, report.render(tmp_path / "mp")
+    rendered = report.render(tmp_path / "mp")  # AutoModelForCausalLM of qwen3_5_moe: its text model, visual ignored
+    assert report.generated_ids == ids and "Qwen3_5MoeForCausalLM" in rendered and "vision tower" in rendered
+    assert (load_file(str(tmp_path / "logits.safetensors"))["logits"] - logits).abs().max() < 1e-3
+
+
+def test_multimodal_wrapper_merges_back_byte_for_byte_mtp_and_vision_tower_included(wrapper_hf, tmp_path):
+    hf = wrapper_hf[0]
+    run_cli("shard", hf, tmp_path / "mp", "--mp", 4, "--keep-mtp", "--quiet")
+    assert "mtp.layers.0.attention.wq.weight" in load_dir(tmp_path / "mp")["model3-mp4.safetensors"]
+    run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--quiet")
+    _equal_files(hf / "model.safetensors", tmp_path / "hf" / "model.safetensors")
+    run_cli("dequant", hf, tmp_path / "out", "--quiet")  # HF layout: every name kept, the vision tower unchanged
+    _equal_files(hf / "model.safetensors", tmp_path / "out" / "model.safetensors")

@@ -1,6 +1,7 @@
 """Gated DeltaNet hybrids: Qwen3-Next and Qwen3.5/3.6 MoE's text model, linear-attention layers beside gated
 full attention, routed experts with a gated shared expert, MTP. Its FAMILY row; the family's files are laid
-out as families/base.py describes."""
+out as families/base.py describes. Qwen3.5 MoE's multimodal checkpoint (qwen3_5_moe) is a wrapper row of
+families/multimodal.py over this family."""
 
 from __future__ import annotations
 
@@ -28,7 +29,4 @@ FAMILY = Family(
     verifier=_verifier,
     mtp_config_key="mtp_num_hidden_layers",
     explicit_config=spec.explicit_config,
-    refused_types={"qwen3_5_moe": "Qwen3.5 MoE's multimodal checkpoint (its text model under model.language_model, "
-                                  "beside the vision tower model.visual) is not read yet; its text model "
-                                  "(qwen3_5_moe_text) is"},
 )

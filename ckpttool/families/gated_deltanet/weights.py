@@ -1,6 +1,7 @@
 """verify's Gated DeltaNet loaders: an mp shard (mp names as they are; kept MTP layers skipped and counted), a
 whole HF checkpoint at mp=1 through the model type's key table (a conv or in_proj_qkv read as the segments the
-model holds), and the comparison of every loaded weight with its slice of a reference HF checkpoint."""
+model holds), and the comparison of every loaded weight with its slice of a reference HF checkpoint; `prepare`
+and `skip` are what a multimodal wrapper passes (its text tower renamed, its vision tower skipped)."""
 
 from __future__ import annotations
 
@@ -22,17 +23,25 @@ def _source(model: HybridTransformer, ctx: ParallelContext):
     return lambda native, _=None: rank_slice(keys, native, shapes, cfg, ctx.rank, ctx.world_size)
 
 
-def load_shard(model: HybridTransformer, path: Path) -> int:
-    return load_mp_shard(model, path, skip=lambda native: native.startswith("mtp."))
+def _prepared(model: HybridTransformer, prepare):
+    def run(ckpt: Checkpoint) -> None:
+        if prepare is not None:
+            prepare(ckpt)
+        unstack_experts(ckpt, KEY_MAPS[model.args.cfg.model_type], model.args.cfg.num_experts)
+    return run
 
 
-def load_hf(model: HybridTransformer, directory: Path, n_layers: int = 0) -> None:
+def load_shard(model: HybridTransformer, path: Path, skip=None) -> int:
+    return load_mp_shard(model, path, skip=lambda native: native.startswith("mtp.") or bool(skip and skip(native)))
+
+
+def load_hf(model: HybridTransformer, directory: Path, n_layers: int = 0, prepare=None) -> None:
     """A whole HF checkpoint into an mp=1 model, strictly; MTP layers skipped. A parameter held as a segment
     of an HF tensor is checked and loaded as its slice."""
     cfg = model.args.cfg
     source = _source(model, ParallelContext())
     with Checkpoint(directory) as ckpt:
-        unstack_experts(ckpt, KEY_MAPS[cfg.model_type], cfg.num_experts)
+        _prepared(model, prepare)(ckpt)
         params = dict(model.named_parameters())
         sources = {name: source(name) for name in params}
         found = {name: (hf, _narrowed(ckpt.tensors[hf].info, narrow)) for name, (hf, narrow) in sources.items()
@@ -54,10 +63,8 @@ def _narrowed(info: TensorInfo, narrow: tuple[int, int, int] | None) -> TensorIn
 
 
 def weight_differences(model: HybridTransformer, ctx: ParallelContext, reference: Path, n_layers: int,
-                       shard: Path) -> list[str]:
-    cfg = model.args.cfg
-    return reference_differences(model, reference, shard, _source(model, ctx),
-                                 prepare=lambda ckpt: unstack_experts(ckpt, KEY_MAPS[cfg.model_type], cfg.num_experts))
+                       shard: Path, prepare=None) -> list[str]:
+    return reference_differences(model, reference, shard, _source(model, ctx), prepare=_prepared(model, prepare))
 
 
 VERIFIER = Verifier(

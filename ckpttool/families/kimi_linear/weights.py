@@ -1,5 +1,6 @@
 """verify's Kimi-Linear loaders: an mp shard (mp names as they are), a whole HF checkpoint at mp=1 through the
-spelling's key table, and the comparison of every loaded weight with its slice of a reference HF checkpoint."""
+spelling's key table, and the comparison of every loaded weight with its slice of a reference HF checkpoint;
+`prepare` and `skip` are what a multimodal wrapper would pass."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ def _source(model: KimiLinearTransformer, ctx: ParallelContext):
     return lambda native, _=None: rank_slice(keys, native, shapes, cfg, ctx.rank, ctx.world_size)
 
 
-def load_hf(model: KimiLinearTransformer, directory: Path, n_layers: int = 0) -> None:
+def load_hf(model: KimiLinearTransformer, directory: Path, n_layers: int = 0, prepare=None) -> None:
     """A whole HF checkpoint into an mp=1 model, strictly."""
     source = _source(model, ParallelContext())
     with Checkpoint(directory) as ckpt:
+        if prepare is not None:
+            prepare(ckpt)
         params = dict(model.named_parameters())
         names = {source(n)[0]: n for n in params}
         check_tensors(params, {names.get(hf, hf): (hf, src.info) for hf, src in ckpt.tensors.items()}, directory)
@@ -33,8 +36,8 @@ def load_hf(model: KimiLinearTransformer, directory: Path, n_layers: int = 0) ->
 VERIFIER = Verifier(
     load_args=KimiLinearArgs.from_hf_config,
     build=lambda args, ctx, dtype, attn: KimiLinearTransformer(args, ctx, dtype=dtype),
-    load_shard=lambda model, path: load_mp_shard(model, path),
+    load_shard=lambda model, path, skip=None: load_mp_shard(model, path, skip=skip),
     load_hf=load_hf,
-    weight_differences=lambda model, ctx, reference, n_layers, shard: reference_differences(
-        model, reference, shard, _source(model, ctx)),
+    weight_differences=lambda model, ctx, reference, n_layers, shard, prepare=None: reference_differences(
+        model, reference, shard, _source(model, ctx), prepare=prepare),
 )
