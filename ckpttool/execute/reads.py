@@ -70,6 +70,11 @@ class SideReader:
                                      fix="the checkpoint is corrupt; re-download this shard")
             else:  # a scalar is one row (a per-tensor scale stored as a 0-d tensor)
                 self.whole[s.side.role] = checked(inputs, source, s, values.reshape(values.shape or (1,)))
+        wrong = fmt.check_values(self.whole, {s.side.role: tuple(s.info.shape) for s in sides})
+        if wrong is not None:
+            s = next(s for s in sides if s.side.role == wrong[0])
+            raise InputError(wrong[1], file=inputs.root / s.file, tensor=s.name,
+                             fix="the checkpoint is corrupt or not what its config.json says; re-download it")
 
     def chunk(self, values: np.ndarray, dtype: str, r0: int, r1: int) -> Chunk:
         """Output rows [r0, r1)'s chunk: the stored values they are made from and the side spans they need."""

@@ -9,7 +9,9 @@ module of the library that defines it) plus its kernel in kernels/, and a line i
 if a new quant_method names it.
 
   blocks.py      fp8_block (DeepSeek V3/R1), mxfp4 (gpt-oss experts)
-  compressed.py  compressed-tensors: pack-quantized INT4, float-quantized FP8 (channel, tensor), NVFP4
+  compressed.py  compressed-tensors: pack-quantized INT4, float-quantized FP8 (channel, tensor, group, block),
+                 NVFP4, MXFP4; compressed_int.py its other integer rows (zero points, INT8, act-order);
+                 compressed_config.py which rows its quantization_config declares
   modelopt.py    NVIDIA ModelOpt NVFP4
 
 Each dequant transform works on a run of dim-0 rows of its source, so the executor can stream any
@@ -25,7 +27,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
 
 from ckpttool.errors import InputError
-from ckpttool.formats import compressed, fp8, modelopt
+from ckpttool.formats import compressed, compressed_config, fp8, modelopt
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
 from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
 from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
@@ -41,7 +43,9 @@ COMPANIONS: tuple[Companion, ...] = tuple(dict.fromkeys(f.companion for f in DEQ
 UNDECLARED = (Rule(FP8_BLOCK, "(no quantization_config)"), Rule(MXFP4, "(no quantization_config)"))
 """what a checkpoint without a quantization config may hold (as before configs named them)"""
 HF_QUANT_CONFIG = modelopt.HF_QUANT_CONFIG
-SUPPORTED_METHODS = (*fp8.METHODS, "mxfp4", compressed.METHOD, modelopt.METHOD)
+SUPPORTED_METHODS = (*fp8.METHODS, "mxfp4", compressed_config.METHOD, modelopt.METHOD)
+NAMERS = (fp8.named, compressed.named)
+"""each module's `named(name)`: the row a plan's transform name stands for, among those made for a config"""
 
 
 class _Rows(Mapping[str, QuantFormat]):
@@ -52,19 +56,23 @@ class _Rows(Mapping[str, QuantFormat]):
         self._fixed = {r.name: r for r in rows}
 
     def __getitem__(self, name: str) -> QuantFormat:
-        row = self._fixed.get(name) or (fp8.named(name) if isinstance(name, str) else None)
+        row = self._fixed.get(name) or (_named(name) if isinstance(name, str) else None)
         if row is None:
             raise KeyError(name)
         return row
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in self._fixed or fp8.named(name) is not None)
+        return isinstance(name, str) and (name in self._fixed or _named(name) is not None)
 
     def __iter__(self):
         return iter(self._fixed)
 
     def __len__(self) -> int:
         return len(self._fixed)
+
+
+def _named(name: str) -> QuantFormat | None:
+    return next((row for named in NAMERS if (row := named(name)) is not None), None)
 
 
 BY_NAME: Mapping[str, QuantFormat] = _Rows(DEQUANT_FORMATS)
@@ -87,8 +95,8 @@ def declared_rules(quant: object, hf_quant: dict | None, config_path: object,
         return fp8.declared(quant, config_path)
     if method == "mxfp4":
         return (Rule(MXFP4, "quantization_config"),)
-    if method == compressed.METHOD:
-        return compressed.declared(quant, config_path)
+    if method == compressed_config.METHOD:
+        return compressed_config.declared(quant, config_path)
     raise InputError(f"quantization_config quant_method {method!r} is not a format ckpttool reads", file=config_path,
                      fix=f"ckpttool reads quant_method {', '.join(map(repr, SUPPORTED_METHODS))}; "
                          "dequantize this checkpoint with the library that wrote it")

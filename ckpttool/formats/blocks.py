@@ -139,11 +139,18 @@ def _experts_example(dev: torch.device) -> Chunk:
                  {"scale": torch.full((1, 1), 127, dtype=torch.uint8, device=dev)}, {"scale": "U8"})
 
 
+def mxfp4_rows(*, name: str, title: str, values: Name, value_dtypes: tuple[str, ...], leaf: str) -> QuantFormat:
+    """A row of MXFP4 stored by output rows: [N, K/2] bytes (two e2m1 codes, low nibble first) and E8M0 scales
+    `X.<leaf>` [N, K/32] (DeepSeek-V4's experts; compressed-tensors' mxfp4-pack-quantized)."""
+    return QuantFormat(
+        name=name, title=title, values=values, value_dtypes=value_dtypes,
+        sides=(Side("scale", Name(leaf), ("F8_E8M0", "U8"), BY_ROWS, encoding="e8m0"),),
+        check=_check_experts, out_shape=lambda s: (s[0], s[1] * 2), cpu=_experts_cpu, cuda=_experts_cuda,
+        example=_experts_example, keepable=False)
+
+
 @functools.lru_cache(maxsize=None)
 def mxfp4_experts_row(leaf: str) -> QuantFormat:
     """DeepSeek-V4's MXFP4 routed experts, their E8M0 scales named `X.<leaf>`."""
-    return QuantFormat(
-        name=f"mxfp4_experts:{leaf}", title="MXFP4 experts (DeepSeek-V4)", values=Name("weight"),
-        value_dtypes=("I8",), sides=(Side("scale", Name(leaf), ("F8_E8M0", "U8"), BY_ROWS, encoding="e8m0"),),
-        check=_check_experts, out_shape=lambda s: (s[0], s[1] * 2), cpu=_experts_cpu, cuda=_experts_cuda,
-        example=_experts_example, keepable=False)
+    return mxfp4_rows(name=f"mxfp4_experts:{leaf}", title="MXFP4 experts (DeepSeek-V4)", values=Name("weight"),
+                      value_dtypes=("I8",), leaf=leaf)

@@ -156,6 +156,11 @@ class QuantFormat:
     """a smallest valid chunk on a device: warms a kernel up before the real data arrives"""
     check_global: Callable[[float], str | None] = lambda g: None
     """what is wrong with a "global" side's value (None: nothing)"""
+    check_values: Callable[[dict[str, np.ndarray], dict[str, tuple]], tuple[str, str] | None] = \
+        lambda whole, shapes: None
+    """(the WHOLE sides' values by role, every read side's shape by role) -> None, or (role, what is wrong) where
+    a side's values break a rule its dtype and shape cannot show (a group index outside the groups): run once per
+    tensor, before any chunk"""
     cpu_compiled: bool = True
     """`cpu` runs compiled loops where they are built (kernels/native, numba); False: numpy's only (MXFP4),
     counted as `chunks_by_cpu_loops_numpy_only` in a run's timing"""

@@ -110,6 +110,22 @@ def value_tables(values: np.ndarray, scale: np.ndarray, out_dtype: str) -> np.nd
     return prod.view(np.uint32)
 
 
+def library_tables(values: np.ndarray, scale: np.ndarray, scale_dtype: str, out_dtype: str) -> np.ndarray:
+    """value_tables as a library that multiplies in its scale's dtype computes them: for F16 scales the fp32
+    product (exact for every format here: at most 9 significant bits times 11) is rounded to fp16 first, as
+    torch's fp16 multiply does, then cast to the output dtype (a second rounding for BF16). BF16 and F32 scales
+    keep the one rounding of value_tables (for a BF16 output that is torch's bf16 multiply; issue 16's rows
+    give F16 and F32 outputs the product rounded once, and these rows keep that)."""
+    if scale_dtype != "F16" or out_dtype == "F16":
+        return value_tables(values, scale, out_dtype)
+    f32 = value_tables(values, scale, "F16").view(np.float16).astype(np.float32)
+    if out_dtype == "F32":
+        return f32.view(np.uint32)
+    bits = np.empty(f32.shape, dtype=np.uint16)
+    round_to_bf16(f32, bits, np.empty(f32.shape, dtype=np.uint32))
+    return bits
+
+
 def _nan_above(fmt: str) -> int:
     """The largest code magnitude (code & 0x7F) that is not NaN: every code above it is NaN, in both signs."""
     nan = np.isnan(fp8_values(fmt))

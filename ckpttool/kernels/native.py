@@ -40,6 +40,10 @@ _SIGNATURES = {
     **{f"ckpttool_nvfp4_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64], None) for t in ("u32", "u64")},
     **{f"ckpttool_grouped_{t}_{w}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
        for t in ("u16", "u32", "u64") for w in ("u8", "i32")},
+    **{f"ckpttool_window_{kind}_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
+       for t in ("u16", "u32") for kind in ("bytes", "int8", "nibbles")},
+    **{f"ckpttool_window_{kind}_gidx_{t}": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], None)
+       for t in ("u16", "u32") for kind in ("bytes", "int8", "nibbles")},
 }
 _SUFFIX = {np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32", np.dtype(np.uint64): "u64"}
 
@@ -201,6 +205,39 @@ def grouped(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int
     fn = getattr(_load(), f"ckpttool_grouped_{_SUFFIX[tables.dtype]}_{kind}")
     fn(codes.ctypes.data, _rows(codes, np.uint8, "codes"), which.ctypes.data, which_stride, tables.ctypes.data,
        out.ctypes.data, _rows(out, tables.dtype, "out", (rows, width)), rows, width, group)
+
+
+def window(codes: np.ndarray, offsets: np.ndarray, tables: np.ndarray, out: np.ndarray, *, group: int, nibbles: bool,
+           flip: int, gidx: np.ndarray | None) -> None:
+    """kernels/window.gather in C, every argument checked here (the C code reads where it is told): codes
+    uint8 [rows, width], out [rows, width * (2 if nibbles else 1)] of the tables' words, offsets int32
+    [rows, groups] whose every entry plus the largest code stays inside the tables, gidx (or None) int32
+    [cols] of group indices below `groups`."""
+    rows, width = codes.shape
+    cols = width * 2 if nibbles else width
+    suffix = _SUFFIX.get(tables.dtype)
+    if suffix not in ("u16", "u32") or group < 1 or (nibbles and group % 2) or flip not in (0, 0x80) \
+            or (nibbles and flip):
+        raise ValueError(f"window: tables {tables.dtype}, group {group}, nibbles {nibbles}, flip {flip}")
+    _flat(tables, tables.dtype, "tables")
+    groups = offsets.shape[1] if offsets.ndim == 2 else -1
+    off_stride = _rows(offsets, np.int32, "offsets", (rows, groups))
+    if gidx is None and groups != -(-cols // group):
+        raise ValueError(f"window: {groups} offsets a row for {cols} columns in groups of {group}")
+    if offsets.size and (int(offsets.min()) < 0 or int(offsets.max()) + (15 if nibbles else 255) >= tables.shape[0]):
+        raise ValueError(f"window: offsets outside the {tables.shape[0]}-entry tables")
+    code_stride, out_stride = _rows(codes, np.uint8, "codes"), _rows(out, tables.dtype, "out", (rows, cols))
+    head = (codes.ctypes.data, code_stride, offsets.ctypes.data, off_stride)
+    kind = "nibbles" if nibbles else "int8" if flip else "bytes"
+    if gidx is not None:
+        _flat(gidx, np.int32, "gidx", cols)
+        if cols and (int(gidx[:cols].min()) < 0 or int(gidx[:cols].max()) >= groups):
+            raise ValueError(f"window: group indices outside [0, {groups})")
+        getattr(_load(), f"ckpttool_window_{kind}_gidx_{suffix}")(
+            *head, gidx.ctypes.data, tables.ctypes.data, out.ctypes.data, out_stride, rows, width)
+        return
+    getattr(_load(), f"ckpttool_window_{kind}_{suffix}")(
+        *head, tables.ctypes.data, out.ctypes.data, out_stride, rows, width, group)
 
 
 SCALED = Kernels(fp8_rows, int4_bf16, nvfp4, fp8_rows_plain, int4_bf16_pairs, int4_by_pairs, distinct16)
