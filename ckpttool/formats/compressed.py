@@ -43,7 +43,8 @@ def _two_d(w_shape, what: str, tensor: str, file) -> None:
 def _scale_mismatch(s_shape, w_shape, want, why: str, tensor: str, file) -> InputError:
     return InputError(f"scale shape {list(s_shape)} does not match weight shape {list(w_shape)}: expected "
                       f"{list(want)} ({why})", file=file, tensor=tensor,
-                      fix="re-download the checkpoint, or fix config.json's group_size if it is the one that is wrong")
+                      fix="re-download the checkpoint, or fix config.json's quantization_config if it is the one that is "
+                          "wrong")
 
 
 # -- pack-quantized INT4, symmetric, in groups (issue 16's rows; the others: formats/compressed_int.py) ------
