@@ -12,7 +12,7 @@ if a new quant_method names it.
   compressed.py  compressed-tensors: pack-quantized INT4, float-quantized FP8 (channel, tensor, group, block),
                  NVFP4, MXFP4; compressed_int.py its other integer rows (zero points, INT8, act-order);
                  compressed_config.py which rows its quantization_config declares
-  modelopt.py    NVIDIA ModelOpt NVFP4
+  modelopt.py    NVIDIA ModelOpt NVFP4, FP8 per tensor and per channel, MIXED_PRECISION of them
 
 Each dequant transform works on a run of dim-0 rows of its source, so the executor can stream any
 tensor in bounded chunks: `row_align` is the smallest run it can take (an FP8 scale covers 128 rows),

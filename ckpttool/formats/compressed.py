@@ -241,7 +241,8 @@ def global_scale_check(variant: str, what: str):
     return check
 
 
-def nvfp4_row(variant: str, *, values: Name, global_leaf: str, dropped: str, **fields) -> QuantFormat:
+def nvfp4_row(variant: str, *, values: Name, global_leaf: str, dropped: str, also_dropped: tuple[str, ...] = (),
+              **fields) -> QuantFormat:
     def cpu(c: Chunk, out: str, into):
         bad = nvfp4_cpu.nan_scale_rows(c.scale)
         if bad.size:
@@ -265,7 +266,8 @@ def nvfp4_row(variant: str, *, values: Name, global_leaf: str, dropped: str, **f
     return QuantFormat(
         values=values, value_dtypes=("U8",),
         sides=(Side("scale", Name("weight_scale"), ("F8_E4M3",), BY_ROWS), Side("global", Name(global_leaf), ("F32",)),
-               Side("dropped", Name(dropped), read=DROPPED)),
+               Side("dropped", Name(dropped), read=DROPPED),
+               *(Side(leaf, Name(leaf), read=DROPPED) for leaf in also_dropped)),
         check=check_nvfp4, out_shape=lambda s: (s[0], s[1] * 2), cpu=cpu, cuda=cuda, example=example, keepable=False,
         check_global=global_scale_check(variant, global_leaf), **fields)
 
