@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
 
 from ckpttool.errors import InputError
-from ckpttool.formats import compressed, compressed_config, fp8, modelopt
+from ckpttool.formats import compressed, compressed_config, foreign, fp8, modelopt
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
 from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
 from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
@@ -97,6 +97,8 @@ def declared_rules(quant: object, hf_quant: dict | None, config_path: object,
         return (Rule(MXFP4, "quantization_config"),)
     if method == compressed_config.METHOD:
         return compressed_config.declared(quant, config_path)
+    if isinstance(method, str) and method in foreign.FOREIGN:
+        raise foreign.refusal(method, config_path)
     raise InputError(f"quantization_config quant_method {method!r} is not a format ckpttool reads", file=config_path,
                      fix=f"ckpttool reads quant_method {', '.join(map(repr, SUPPORTED_METHODS))}; "
                          "dequantize this checkpoint with the library that wrote it")
