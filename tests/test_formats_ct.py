@@ -190,6 +190,25 @@ def test_mxfp4_every_scale_and_byte_equals_compressed_tensors(cpu_kernels):
         assert (ours.view(np.uint8) == carrier(ref.to(OUT[out])).view(np.uint8)).all(), out
 
 
+def test_fp16_product_tables_are_numpys_fp16_multiply_for_every_fp16_scale(cpu_kernels):
+    """fp8_cpu.library_tables for F16 scales, compiled (C, numba: float16 rounding in integers and float32) or
+    numpy's float16 casts: fp16 scales of either sign times every q - z and every e4m3 value."""
+    from ckpttool.kernels.fp8_cpu import fp8_values, library_tables
+
+    fp8 = fp8_values("F8_E4M3")
+    values = np.concatenate([np.arange(-255, 256, dtype=np.float32), fp8[np.isfinite(fp8)]])
+    bits = np.concatenate([np.arange(0x400), np.arange(0x400, 0x7C00, 5), [0x7BFF]]).astype(np.uint16)
+    magnitudes = bits.view(np.float16)  # every subnormal, a fifth of the normals, the largest
+    scale = np.concatenate([magnitudes, -magnitudes[::61]]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        product = (values[None, :] * scale[:, None]).astype(np.float16)  # the same: the fp32 product is exact
+    for out in OUT:
+        ours = library_tables(values, scale, "F16", out)
+        want = product.view(np.uint16) if out == "F16" else carrier(torch.from_numpy(product.astype(np.float32)).to(
+            OUT[out]))
+        assert ours.dtype.itemsize == want.dtype.itemsize and (ours.view(want.dtype) == want).all(), out
+
+
 def test_every_row_a_plan_can_name_is_found_by_its_name():
     for name in ("ct_int:pack:4:group128:asym", "ct_int:pack:8:channel:sym", "ct_int:int:8:tensor:asym",
                  "ct_int:pack:4:group32:sym:gidx", "ct_fp8_block:128x128", "ct_fp8_group:32", "ct_mxfp4"):

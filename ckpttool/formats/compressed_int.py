@@ -45,8 +45,8 @@ def _zero_codes(c: Chunk, bits: int, rows: int) -> np.ndarray | None:
     zero = c.sides.get("zero")
     if zero is None:
         return None
-    if zero.dtype == np.int8:  # as stored: int-quantized, or a per-tensor zero point (the library packs no other)
-        codes = zero.astype(np.int16) + (1 << (bits - 1))
+    if c.side_dtypes.get("zero") == "I8":  # as stored: int-quantized, or a per-tensor one (the library packs no other)
+        codes = zero.view(np.int8).astype(np.int16) + (1 << (bits - 1))
         return codes if codes.ndim == 2 else codes.reshape(1, -1)
     groups = zero.shape[1]
     b = zero.view(np.uint8).reshape(zero.shape[0], groups, 4)  # each little-endian word's bytes
@@ -88,7 +88,7 @@ def _cuda(storage: str, bits: int, group: int):
         values, which = distinct(np.ascontiguousarray(_to_numpy(scale)))
         table = window.tables(scale_f32(values, c.side_dtypes["scale"]), c.side_dtypes["scale"], bits,
                               dtype_code(out_dtype))
-        numpy_sides = Chunk(None, c.dtype, {k: _to_numpy(v) for k, v in c.sides.items()})
+        numpy_sides = Chunk(None, c.dtype, {k: _to_numpy(v) for k, v in c.sides.items()}, c.side_dtypes)
         zero = _zero_codes(numpy_sides, bits, rows)
         offs = window.offsets(np.broadcast_to(which, (rows, which.shape[-1])), (1 << (bits - 1)) if zero is None
                               else zero, bits)

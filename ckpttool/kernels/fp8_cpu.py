@@ -115,8 +115,17 @@ def library_tables(values: np.ndarray, scale: np.ndarray, scale_dtype: str, out_
     product (exact for every format here: at most 9 significant bits times 11) is rounded to fp16 first, as
     torch's fp16 multiply does, then cast to the output dtype (a second rounding for BF16). BF16 and F32 scales
     keep the one rounding of value_tables (for a BF16 output that is torch's bf16 multiply; issue 16's rows
-    give F16 and F32 outputs the product rounded once, and these rows keep that)."""
-    if scale_dtype != "F16" or out_dtype == "F16":
+    give F16 and F32 outputs the product rounded once, and these rows keep that). Compiled where C or numba is
+    (fp8_gather.f16_tables: the same bits)."""
+    if scale_dtype != "F16":
+        return value_tables(values, scale, out_dtype)
+    compiled = fp8_gather.f16_tables()
+    if compiled is not None:
+        flat = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+        out = np.empty((flat.shape[0], len(values)), dtype=np.uint32 if out_dtype == "F32" else np.uint16)
+        compiled(np.ascontiguousarray(values, dtype=np.float32), flat, out, out_dtype)
+        return out.reshape(*scale.shape, len(values))
+    if out_dtype == "F16":
         return value_tables(values, scale, out_dtype)
     f32 = value_tables(values, scale, "F16").view(np.float16).astype(np.float32)
     if out_dtype == "F32":

@@ -37,6 +37,7 @@ _SIGNATURES = {
     "ckpttool_int4_bf16_pairs": ([_P, _I64, _P], None),
     "ckpttool_int4_by_pairs": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64], None),
     "ckpttool_distinct16": ([_P, _I64, _P, _P, _P], _I64),
+    "ckpttool_f16_tables": ([_P, _I64, _P, _I64, _P, ctypes.c_int32], None),
     **{f"ckpttool_nvfp4_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64], None) for t in ("u32", "u64")},
     **{f"ckpttool_grouped_{t}_{w}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
        for t in ("u16", "u32", "u64") for w in ("u8", "i32")},
@@ -111,6 +112,17 @@ def bf16_tables(values: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None
         if a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
             raise ValueError(f"bf16_tables: a contiguous {np.dtype(dtype)} {shape}, not {a.dtype} {a.shape}")
     _load().ckpttool_bf16_tables(values.ctypes.data, n, scales.ctypes.data, m, out.ctypes.data)
+
+
+def f16_tables(values: np.ndarray, scales: np.ndarray, out: np.ndarray, kind: str) -> None:
+    """out[i, k] = the fp16 product values[k] * scales[i] in `kind`'s bits (fp8_gather.f16_tables)."""
+    n, m = values.shape[0], scales.shape[0]
+    word = np.uint32 if kind == "F32" else np.uint16
+    for a, dtype, shape in ((values, np.float32, (n,)), (scales, np.float32, (m,)), (out, word, (m, n))):
+        if a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
+            raise ValueError(f"f16_tables: a contiguous {np.dtype(dtype)} {shape}, not {a.dtype} {a.shape}")
+    _load().ckpttool_f16_tables(values.ctypes.data, n, scales.ctypes.data, m, out.ctypes.data,
+                                {"F16": 0, "BF16": 1, "F32": 2}[kind])
 
 
 # -- scaled_numba.Kernels in C: the same signatures, so kernels/scaled_cpu.py and nvfp4_cpu.py call either --
