@@ -47,6 +47,7 @@ VARIANTS = {  # label: (row, scale dtype) of issue 35's compressed-tensors and M
     "ct_mxfp4": ("ct_mxfp4", "U8"),
     "modelopt_fp8_tensor": ("modelopt_fp8_tensor", "F32"),
     "modelopt_fp8_channel": ("modelopt_fp8_channel", "F32"),
+    "mxfp4 (gpt-oss experts, transposed)": ("mxfp4", "U8"),  # one expert: [1, cols, rows / 32, 16] -> [1, rows, cols]
 }
 _TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
@@ -65,6 +66,9 @@ def variant_inputs(label: str, rows: int, cols: int, gen: torch.Generator) -> tu
     def scale(*shape):
         return (torch.rand(shape, generator=gen) * 1e-2 + 1e-4).to(_TORCH[sdt])
 
+    if row_name == "mxfp4":
+        exponents = torch.randint(107, 122, (1, cols, rows // 32), generator=gen, dtype=torch.uint8)
+        return u8(1, cols, rows // 32, 16), "U8", {"scale": exponents}, {"scale": "U8"}
     if row_name == "ct_mxfp4":
         return (u8(rows, cols // 2), "U8", {"scale": torch.randint(107, 122, (rows, cols // 32), generator=gen,
                                                                      dtype=torch.uint8)}, {"scale": "U8"})
@@ -192,7 +196,8 @@ def main() -> int:
                             "gb_out_per_s_per_core": round(rows * cols * 2 / sec / 1e9, 3),
                             "bytes_moved": moved(x, s, rows, cols),
                             # per round, FP8 block's time over this one's (the same output bytes): their median
-                            "vs_fp8_block": round(statistics.median(b / t for b, t in zip(times["fp8_block"], times[n])), 3)}
+                            "vs_fp8_block": round(statistics.median(b / t for b, t in zip(times["fp8_block"], times[n])),
+                                                  3)}
 
     if not args.no_cuda and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

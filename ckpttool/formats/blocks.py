@@ -77,7 +77,7 @@ def _check_mxfp4(b_shape, sides, names, file) -> None:
 
 
 def _mxfp4_cpu(c: Chunk, out: str, into: np.ndarray | None) -> np.ndarray:
-    return np.ascontiguousarray(mxfp4_cpu.dequant(c.values, c.scale, out).transpose(0, 2, 1))
+    return mxfp4_cpu.dequant_transposed(c.values, c.scale, out, into)[0]
 
 
 def _mxfp4_cuda(c: Chunk, out_dtype: torch.dtype) -> tuple[torch.Tensor, None]:
@@ -97,7 +97,7 @@ MXFP4 = QuantFormat(
     name="mxfp4", title="MXFP4 (gpt-oss)", values=Name("_blocks", leaf=False), value_dtypes=("U8",),
     sides=(Side("scale", Name("_scales", leaf=False), ("U8",), read=BY_ROWS, encoding="e8m0"),),
     check=_check_mxfp4, out_shape=lambda s: (s[0], s[2] * VALUES_PER_BLOCK, s[1]),
-    cpu=_mxfp4_cpu, cpu_compiled=False, cuda=_mxfp4_cuda, example=_mxfp4_example,
+    cpu=_mxfp4_cpu, cpu_into=True, cuda=_mxfp4_cuda, example=_mxfp4_example,
 )
 
 

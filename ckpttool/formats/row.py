@@ -162,8 +162,8 @@ class QuantFormat:
     a side's values break a rule its dtype and shape cannot show (a group index outside the groups): run once per
     tensor, before any chunk"""
     cpu_compiled: bool = True
-    """`cpu` runs compiled loops where they are built (kernels/native, numba); False: numpy's only (MXFP4),
-    counted as `chunks_by_cpu_loops_numpy_only` in a run's timing"""
+    """`cpu` runs compiled loops where they are built (kernels/native, numba); False: numpy's only, counted as
+    `chunks_by_cpu_loops_numpy_only` in a run's timing (every row has compiled loops now)"""
     keepable: bool = True
     """whether a plan may keep the format (shard without dequant): False where ckpttool cannot split it"""
 

@@ -38,6 +38,7 @@ _SIGNATURES = {
     "ckpttool_int4_by_pairs": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64], None),
     "ckpttool_distinct16": ([_P, _I64, _P, _P, _P], _I64),
     "ckpttool_f16_tables": ([_P, _I64, _P, _I64, _P, ctypes.c_int32], None),
+    **{f"ckpttool_mxfp4_transposed_{t}": ([_P, _P, _P, _P, _I64, _I64, _I64], None) for t in ("u16", "u32")},
     **{f"ckpttool_nvfp4_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64], None) for t in ("u32", "u64")},
     **{f"ckpttool_grouped_{t}_{w}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
        for t in ("u16", "u32", "u64") for w in ("u8", "i32")},
@@ -123,6 +124,20 @@ def f16_tables(values: np.ndarray, scales: np.ndarray, out: np.ndarray, kind: st
             raise ValueError(f"f16_tables: a contiguous {np.dtype(dtype)} {shape}, not {a.dtype} {a.shape}")
     _load().ckpttool_f16_tables(values.ctypes.data, n, scales.ctypes.data, m, out.ctypes.data,
                                 {"F16": 0, "BF16": 1, "F32": 2}[kind])
+
+
+def mxfp4_transposed(blocks: np.ndarray, scales: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
+    """mxfp4_cpu.dequant_transposed in C: blocks uint8 [E, R, G, 16], scales uint8 [E, R, G], the pair table (uint32
+    words for 16-bit outputs, uint64 for F32), out [E, G * 32, R] of half a word, all contiguous."""
+    experts, rows, groups = scales.shape
+    half = {np.dtype(np.uint32): np.uint16, np.dtype(np.uint64): np.uint32}.get(table.dtype)
+    for a, dtype, shape in ((blocks, np.uint8, (experts, rows, groups, 16)),
+                            (scales, np.uint8, (experts, rows, groups)), (table, table.dtype, (256 * 256,)),
+                            (out, half, (experts, groups * 32, rows))):
+        if half is None or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
+            raise ValueError(f"mxfp4_transposed: a contiguous {dtype} {shape}, not {a.dtype} {a.shape}")
+    getattr(_load(), f"ckpttool_mxfp4_transposed_{_SUFFIX[np.dtype(half)]}")(
+        blocks.ctypes.data, scales.ctypes.data, table.ctypes.data, out.ctypes.data, experts, rows, groups)
 
 
 # -- scaled_numba.Kernels in C: the same signatures, so kernels/scaled_cpu.py and nvfp4_cpu.py call either --
