@@ -209,6 +209,19 @@ def test_fp16_product_tables_are_numpys_fp16_multiply_for_every_fp16_scale(cpu_k
         assert ours.dtype.itemsize == want.dtype.itemsize and (ours.view(want.dtype) == want).all(), out
 
 
+def test_zero_points_outside_the_rows_bits_and_act_order_outside_its_groups_are_named():
+    """What a dtype cannot show, checked once per tensor before any chunk (QuantFormat.check_values)."""
+    row = int_row("pack", 4, "tensor", 0, True, False)  # the library leaves a per-tensor zero point unpacked, I8
+    assert row.check_values({"zero": np.array([7], np.int8)}, {"scale": (1,)}) is None
+    assert row.check_values({"zero": np.array([9], np.int8)}, {"scale": (1,)}) == \
+        ("zero", "zero point 9 is outside the 4-bit range [-8, 7]")
+    act = int_row("pack", 4, "group", 32, False, True)
+    g = np.arange(128, dtype=np.int32) // 32
+    assert act.check_values({"g_idx": g}, {"scale": (8, 4)}) is None
+    assert act.check_values({"g_idx": np.full(128, -1, np.int32)}, {"scale": (8, 4)}) is None
+    assert "outside the 4 groups" in act.check_values({"g_idx": g + 1}, {"scale": (8, 4)})[1]
+
+
 def test_every_row_a_plan_can_name_is_found_by_its_name():
     for name in ("ct_int:pack:4:group128:asym", "ct_int:pack:8:channel:sym", "ct_int:int:8:tensor:asym",
                  "ct_int:pack:4:group32:sym:gidx", "ct_fp8_block:128x128", "ct_fp8_group:32", "ct_mxfp4"):

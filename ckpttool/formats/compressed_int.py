@@ -141,8 +141,16 @@ def _expect(shape, want: tuple, what: str, why: str, tensor: str, file) -> None:
                          fix="re-download the checkpoint, or fix config.json's quantization_config if it is wrong")
 
 
-def _check_groups(group: int):
+def _check_values(bits: int, group: int):
+    """What a dtype cannot rule out: an unpacked zero point outside the row's bits, a g_idx outside the groups."""
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
     def check(whole: dict[str, np.ndarray], shapes: dict[str, tuple]) -> tuple[str, str] | None:
+        z = whole.get("zero")
+        z = z.view(np.int8).reshape(-1) if z is not None and z.dtype.itemsize == 1 else np.zeros(0, np.int8)
+        bad = z[(z < lo) | (z > hi)]
+        if bad.size:
+            return "zero", f"zero point {int(bad[0])} is outside the {bits}-bit range [{lo}, {hi}]"
         g = whole.get("g_idx")
         if g is None or (g == -1).all():
             return None
@@ -208,7 +216,7 @@ def int_row(storage: str, bits: int, strategy: str, group: int, asym: bool, gidx
         row_align=per if asym and storage == "pack" and not tensor else 1,
         cpu=_cpu(storage, bits, group), cuda=_cuda(storage, bits, group),
         example=_example(storage, bits, strategy, group, asym, gidx), keepable=False,
-        check_values=_check_groups(group) if gidx else (lambda whole, shapes: None))
+        check_values=_check_values(bits, group))
 
 
 _NAME = re.compile(r"ct_int:(pack|int):(4|8):(?:(group)(\d+)|(channel|tensor)):(sym|asym)(:gidx)?")
