@@ -1,9 +1,13 @@
-"""Write a DeepSeek-V3-shaped synthetic FP8 checkpoint (HF layout) for benchmarks, streaming.
+"""Write a DeepSeek-V3- or V4-shaped synthetic checkpoint (HF layout, as published) for benchmarks, streaming.
 
-Every tensor has its real V3 shape (hidden 7168, intermediate 18432, moe_intermediate 2048, MLA with
-q_lora 1536 / kv_lora 512, vocab 129280, 128x128 F32 `weight_scale_inv`); only the number of layers
+V3 (the default): every tensor has its real V3 shape (hidden 7168, intermediate 18432, moe_intermediate 2048,
+MLA with q_lora 1536 / kv_lora 512, vocab 129280, 128x128 F32 `weight_scale_inv`); only the number of layers
 and routed experts is cut down, so the size is set by --layers / --experts (one routed expert is
 3 x 2048 x 7168 FP8 bytes = 44 MB; embed + head are 3.7 GB of BF16 at the real vocab).
+V4 (--model v4): DeepSeek-V4-Flash's published dims and form (hidden 4096, every linear projection FP8 with an
+F8_E8M0 `.scale` per 128x128 block, routed experts MXFP4: I8 [M, K/2] with an F8_E8M0 `.scale` per 32 values;
+sinks, hyper-connections and biases F32), layers and experts cut down alike (--dense-layers: leading
+sliding-window layers; then CSA and HCA alternate as in V4-Flash).
 
 Nothing is held but one chunk: each safetensors file's header is computed from the shapes first,
 then tensor bytes are written in order from pools of random bytes (FP8 with the NaN encodings
@@ -35,7 +39,9 @@ from ckpttool.formats import FP8_QUANTIZATION_CONFIG
 BLOCK = 128
 CHUNK = 32 << 20  # bytes written per write() call; also what one pool slice is
 POOL = 128 << 20  # random bytes generated once per dtype family and reused at random offsets
-ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
+ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F32": 4, "F8_E8M0": 1, "I8": 1, "I32": 4}
+V4_F32_LEAVES = ("attn_sink", "ape", "gate.bias", "hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn",
+                 "hc_ffn_base", "hc_ffn_scale", "hc_head_fn", "hc_head_base", "hc_head_scale")
 
 
 def v3_config(layers: int, dense_layers: int, experts: int, vocab: int, n_shared: int) -> dict:
@@ -62,12 +68,34 @@ def v3_config(layers: int, dense_layers: int, experts: int, vocab: int, n_shared
     }
 
 
+def v4_config(layers: int, dense_layers: int, experts: int, vocab: int) -> dict:
+    """DeepSeek-V4-Flash's published config.json (hub fields) with the layer and expert counts replaced."""
+    ratios = [0] * dense_layers + [(4, 128)[i % 2] for i in range(layers - dense_layers)]
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "attention_bias": False,
+        "bos_token_id": 0, "eos_token_id": 1, "hc_eps": 1e-06, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+        "head_dim": 512, "hidden_act": "silu", "hidden_size": 4096, "index_head_dim": 128, "index_n_heads": 64,
+        "index_topk": 512, "max_position_embeddings": 1048576, "moe_intermediate_size": 2048,
+        "n_routed_experts": experts, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64,
+        "num_experts_per_tok": min(6, experts), "num_hidden_layers": layers, "num_hash_layers": min(3, layers),
+        "num_key_value_heads": 1, "num_nextn_predict_layers": 0, "o_groups": 8, "o_lora_rank": 1024,
+        "q_lora_rank": 1024, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536,
+                         "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 128,
+        "swiglu_limit": 10.0, "tie_word_embeddings": False, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+        "vocab_size": vocab, "compress_rope_theta": 160000, "compress_ratios": ratios,
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "scale_fmt": "ue8m0", "weight_block_size": [BLOCK, BLOCK], "expert_dtype": "fp4"},
+    }
+
+
 @dataclass(slots=True)
 class Entry:
     name: str
     dtype: str  # safetensors dtype code
     shape: tuple[int, ...]
-    kind: str  # fp8 | scale | bf16 | norm | bias
+    kind: str  # fp8 | scale | bf16 | norm | bias | fp4 | e8m0 | f32 | tid2eid
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +118,31 @@ def tensor_entries(cfg: DeepseekConfig) -> list[Entry]:
     return out
 
 
+def v4_entries(cfg) -> list[Entry]:
+    """Every tensor of a V4 checkpoint in file order, in the published dtypes, each quantized weight followed
+    by its `.scale`."""
+    from ckpttool.families.deepseek_v4.spec import KEY_MAPS, hf_tensor_shapes as v4_shapes
+
+    out: list[Entry] = []
+    for name, shape in v4_shapes(cfg, with_mtp=False).items():
+        scale = name[: -len("weight")] + "scale"
+        if KEY_MAPS["deepseek"].is_linear(name) and ".ffn.experts." in name:
+            out += [Entry(name, "I8", (shape[0], shape[1] // 2), "fp4"),
+                    Entry(scale, "F8_E8M0", (shape[0], shape[1] // 32), "e8m0")]
+        elif KEY_MAPS["deepseek"].is_linear(name):
+            out += [Entry(name, "F8_E4M3", shape, "fp8"),
+                    Entry(scale, "F8_E8M0", (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)), "e8m0")]
+        elif name.endswith("tid2eid"):
+            out.append(Entry(name, "I32", shape, "tid2eid"))
+        elif name.endswith(V4_F32_LEAVES):
+            out.append(Entry(name, "F32", shape, "f32"))
+        elif name.endswith("norm.weight"):
+            out.append(Entry(name, "BF16", shape, "norm"))
+        else:
+            out.append(Entry(name, "BF16", shape, "bf16"))
+    return out
+
+
 def assign_files(entries: list[Entry], n_files: int) -> list[list[Entry]]:
     """Split into about n_files by bytes, keeping each scale with its weight; empty files are dropped."""
     total = sum(e.nbytes for e in entries)
@@ -97,7 +150,7 @@ def assign_files(entries: list[Entry], n_files: int) -> list[list[Entry]]:
     done = 0
     idx = 0
     for e in entries:
-        if e.kind != "scale":
+        if e.kind not in ("scale", "e8m0"):
             idx = min(n_files - 1, done * n_files // max(total, 1))
         groups[idx].append(e)
         done += e.nbytes
@@ -107,8 +160,9 @@ def assign_files(entries: list[Entry], n_files: int) -> list[list[Entry]]:
 class RandomSource:
     """Pools of random bytes, sliced at random offsets: generation runs at disk speed, not RNG speed."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, experts: int = 1):
         self.rng = np.random.default_rng(seed)
+        self.experts = experts
         fp8 = self.rng.integers(0, 256, size=POOL + CHUNK, dtype=np.uint8)
         nan = (fp8 & 0x7F) == 0x7F  # e4m3fn NaN is S.1111.111; 0x7E/0xFE are +-448
         fp8[nan] ^= 0x01
@@ -119,8 +173,8 @@ class RandomSource:
 
     def chunks(self, e: Entry):
         """The tensor's bytes as a sequence of buffers (no more than CHUNK bytes each)."""
-        if e.kind in ("fp8", "bf16"):
-            pool = self.fp8 if e.kind == "fp8" else self.bf16
+        if e.kind in ("fp8", "bf16", "fp4"):  # any byte is two valid e2m1 codes
+            pool = self.bf16 if e.kind == "bf16" else self.fp8
             left = e.nbytes
             while left:
                 n = min(CHUNK, left)
@@ -133,6 +187,12 @@ class RandomSource:
             arr = np.exp(self.rng.uniform(math.log(1e-5), math.log(1e-2), size=numel)).astype(np.float32)
         elif e.kind == "bias":
             arr = self.rng.uniform(0.0, 0.1, size=numel).astype(np.float32)
+        elif e.kind == "e8m0":  # 2**-20 .. 2**-6: what amax / 448 (or / 6) of real weights rounds up to
+            arr = self.rng.integers(107, 122, size=numel, dtype=np.uint8)
+        elif e.kind == "f32":
+            arr = self.rng.normal(0.0, 0.1, size=numel).astype(np.float32)
+        elif e.kind == "tid2eid":
+            arr = self.rng.integers(0, self.experts, size=numel, dtype=np.int32)
         else:  # norm weights around 1
             t = torch.from_numpy(self.rng.normal(1.0, 0.1, size=numel).astype(np.float32)).to(torch.bfloat16)
             arr = t.view(torch.uint8).numpy()
@@ -167,17 +227,24 @@ def write_file(path: Path, entries: list[Entry], source: RandomSource, fsync: bo
 
 
 def build(out: Path, *, layers: int, dense_layers: int, experts: int, shards: int, vocab: int, n_shared: int,
-          seed: int, fsync: bool = True, dry_run: bool = False, quiet: bool = False) -> dict:
-    raw = v3_config(layers, dense_layers, experts, vocab, n_shared)
-    cfg = DeepseekConfig.from_dict(raw)
-    entries = tensor_entries(cfg)
+          seed: int, fsync: bool = True, dry_run: bool = False, quiet: bool = False, model: str = "v3") -> dict:
+    if model == "v4":
+        from ckpttool.families.deepseek_v4.config import DeepseekV4Config
+
+        raw = v4_config(layers, dense_layers, experts, vocab)
+        entries = v4_entries(DeepseekV4Config.from_dict(raw))
+    else:
+        raw = v3_config(layers, dense_layers, experts, vocab, n_shared)
+        entries = tensor_entries(DeepseekConfig.from_dict(raw))
     groups = assign_files(entries, shards)
-    fp8_bytes = sum(e.nbytes for e in entries if e.kind == "fp8")
+    fp8_bytes = sum(e.nbytes for e in entries if e.kind in ("fp8", "fp4"))
     total = sum(e.nbytes for e in entries)
-    # what a BF16 conversion writes: FP8 weights double, scales vanish, the rest is copied
-    bf16_bytes = sum(2 * e.nbytes if e.kind == "fp8" else 0 if e.kind == "scale" else e.nbytes for e in entries)
+    # what a BF16 conversion writes: FP8 weights double, MXFP4 ones quadruple, scales vanish, the rest is copied
+    grow = {"fp8": 2, "fp4": 4, "scale": 0, "e8m0": 0}
+    bf16_bytes = sum(grow.get(e.kind, 1) * e.nbytes for e in entries)
     summary = {
-        "out": str(out), "layers": layers, "dense_layers": dense_layers, "experts": experts, "vocab": vocab,
+        "out": str(out), "model": model, "layers": layers, "dense_layers": dense_layers, "experts": experts,
+        "vocab": vocab,
         "files": len(groups), "tensors": len(entries), "total_bytes": total, "fp8_bytes": fp8_bytes,
         "bf16_output_bytes": bf16_bytes, "seed": seed,
         "command": shlex.join([sys.executable, *sys.argv]),
@@ -188,7 +255,7 @@ def build(out: Path, *, layers: int, dense_layers: int, experts: int, shards: in
     if any(out.iterdir()):
         raise SystemExit(f"{out} is not empty; remove it or choose another --out")
     started = time.monotonic()
-    source = RandomSource(seed)
+    source = RandomSource(seed, experts)
     weight_map: dict[str, str] = {}
     written = 0
     for i, group in enumerate(groups):
@@ -213,6 +280,7 @@ def build(out: Path, *, layers: int, dense_layers: int, experts: int, shards: in
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="new (or empty) directory to write")
+    p.add_argument("--model", choices=("v3", "v4"), default="v3", help="DeepSeek-V3's shapes and form, or V4-Flash's")
     p.add_argument("--layers", type=int, default=1, help="decoder layers (num_hidden_layers)")
     p.add_argument("--dense-layers", type=int, default=0, help="leading dense layers (first_k_dense_replace)")
     p.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer (n_routed_experts)")
@@ -230,13 +298,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {args.experts} experts do not split over --mp 8", file=sys.stderr)
     summary = build(args.out, layers=args.layers, dense_layers=args.dense_layers, experts=args.experts,
                     shards=args.shards, vocab=args.vocab, n_shared=args.n_shared, seed=args.seed,
-                    fsync=not args.no_fsync, dry_run=args.dry_run, quiet=args.json)
+                    fsync=not args.no_fsync, dry_run=args.dry_run, quiet=args.json, model=args.model)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         verb = "would write" if args.dry_run else "wrote"
         rate = "" if args.dry_run else f" in {summary['seconds']:.1f}s ({summary['gb_per_s']:.2f} GB/s)"
-        print(f"{verb} {summary['total_bytes'] / 1e9:.2f} GB ({summary['fp8_bytes'] / 1e9:.2f} GB FP8 weights) "
+        print(f"{verb} {summary['total_bytes'] / 1e9:.2f} GB ({summary['fp8_bytes'] / 1e9:.2f} GB FP8/MXFP4 weights) "
               f"in {summary['files']} files, {summary['tensors']} tensors, to {args.out}{rate}; "
               f"a BF16 conversion writes {summary['bf16_output_bytes'] / 1e9:.2f} GB")
     return 0

@@ -17,6 +17,7 @@ from ckpttool.formats import (CKPTTOOL_QUANTIZATION, FP8_SCALE, HF_QUANT_CONFIG,
 from ckpttool.io.checkpoint import Checkpoint, ShardFiles, read_config, read_json_object
 from ckpttool.io.layout import INDEX_NAME, MP_FILE, find_mp, mp_file
 from ckpttool.io.safetensors import read_header
+from ckpttool.formats.resolve import members_of
 from ckpttool.plan.dequant import matches
 from ckpttool.plan.types import TensorPlan
 
@@ -65,10 +66,11 @@ def _ours(path: Path, layout: str, config: dict) -> str | None:
     return ours.get("format") if isinstance(ours, dict) else None
 
 
-def _formats(path: Path, layout: str, entries: list[Entry], config: dict) -> tuple[dict[str, int], str | None]:
-    """{format title: weights in it} by the rows the config declares (HF layout), or why they are refused."""
+def _formats(path: Path, layout: str, entries: list[Entry], config: dict) -> tuple[dict[str, int], str | None, set[str]]:
+    """{format title: weights in it} by the rows the config declares (HF layout), or why they are refused, and the
+    names of the tensors those weights are made of."""
     if layout == "mp":
-        return {}, None
+        return {}, None, set()
     root = path if path.is_dir() else path.parent
     try:
         hf_quant = (read_json_object(root / HF_QUANT_CONFIG, HF_QUANT_CONFIG, "re-download it")
@@ -76,10 +78,11 @@ def _formats(path: Path, layout: str, entries: list[Entry], config: dict) -> tup
         rules = declared_rules(config.get("quantization_config"), hf_quant, root / "config.json",
                                root / HF_QUANT_CONFIG)
         tensors = [TensorPlan(n, d, s, source=n) for _, n, d, s, _ in entries]
-        counts: Counter = Counter(m.row.title for m in matches(tensors, rules).values())
+        found = matches(tensors, rules)
+        counts: Counter = Counter(m.row.title for m in found.values())
     except InputError as exc:
-        return {}, exc.message
-    return dict(sorted(counts.items())), None
+        return {}, exc.message, set()
+    return dict(sorted(counts.items())), None, members_of(found)
 
 
 def describe(path: Path) -> dict:
@@ -99,7 +102,7 @@ def describe(path: Path) -> dict:
         g["bytes"] += nbytes
     # FP8 block weights: one scale per weight, `X.weight_scale_inv` in HF files, `Y.scale` in mp files
     fp8 = _count_leaf(names, FP8_SCALE.hf_leaf) if layout != "mp" else _count_leaf(names, FP8_SCALE.native_leaf)
-    formats, refused = _formats(path, layout, entries, config)
+    formats, refused, members = _formats(path, layout, entries, config)
     ours = _ours(path, layout, config)
     return {
         "path": str(path),
@@ -117,8 +120,9 @@ def describe(path: Path) -> dict:
             "unsupported": refused,
             "fp8_block_weights": fp8,
             "mxfp4_blocks": sum(MXFP4.values.base_of(n) is not None for n in names),
-            "int8_weights": _count_leaf(names, INT8_SCALES) if ours == "int8" else 0,
-            "int4_weights": _count_leaf(names, INT4_SCALES_AND_ZEROS) if ours == "int4" else 0,
+            # ckpttool's own gpt-fast outputs only: never GPTQ's or AWQ's `scales`
+            "int8_weights": _count_leaf(names - members, INT8_SCALES) if ours == "int8" else 0,
+            "int4_weights": _count_leaf(names - members, INT4_SCALES_AND_ZEROS) if ours == "int4" else 0,
         },
         "groups": [{"pattern": p, "count": g["count"], "dtypes": sorted(g["dtypes"]),
                     "shapes": [list(s) for s in sorted(g["shapes"])], "bytes": g["bytes"]}

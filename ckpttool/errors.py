@@ -58,3 +58,35 @@ class RecipeError(CkptError):
     """A recipe or --set override is invalid."""
 
     exit_code = 2
+
+
+class Stopped(BaseException):
+    """A signal ended the run: Ctrl-C (SIGINT) or SIGTERM, in this process or, `who` says, in another of the
+    run's processes. Not a failure of the input or the output: the finished work stays journalled. A
+    BaseException, like KeyboardInterrupt, so no `except Exception` mistakes it for an error; the CLI exits
+    128 + signum."""
+
+    def __init__(self, signum: int, who: str = ""):
+        super().__init__(signum, who)
+        self.signum, self.who = signum, who
+
+
+_stops: list[int] = []  # signals received by this process's handler (cli), in order
+
+
+def stop(signum: int) -> None:
+    """What the CLI's signal handler does: remember the signal, then raise Stopped. A handler runs between any
+    two bytecodes of the main thread, a weakref callback's or a destructor's included, where an exception is
+    swallowed; `check_stop` raises it again at the next safe point."""
+    _stops.append(signum)
+    raise Stopped(signum)
+
+
+def check_stop() -> None:
+    """Raise Stopped if a signal was received here and its exception was swallowed where it landed."""
+    if _stops:
+        raise Stopped(_stops[0])
+
+
+def forget_stops() -> None:
+    _stops.clear()

@@ -34,6 +34,7 @@ def point(name: str) -> None:
     if hit and _target[2] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if hit and _target[2] == "stop":  # SIGSTOP: a run paused mid-write, holding what it holds
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # to this thread: sent to the process, another thread may take it and this one write on meanwhile
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
     if hit and _target[2] == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -132,7 +132,8 @@ class Recipe(_Strict):
     """auto, or a config.json model_type of families/table.py that the input must have"""
     mtp: Literal["auto", "drop", "keep"] = "auto"
     """multi-token-prediction layers. auto: kept in HF outputs (vLLM and SGLang use them for speculative
-    decoding), dropped from mp shards (DeepSeek's reference model has no MTP)"""
+    decoding); in mp shards as the family's reference layout has them (DeepSeek-V3's convert.py drops
+    them, V4's keeps them: Family.mtp_in_mp)"""
     stages: list[Stage] = Field(min_length=1)
     execution: Execution = Execution()
 
@@ -170,7 +171,7 @@ class Recipe(_Strict):
         dq, sh, qz = self.stage("dequant"), self.stage("shard"), self.stage("quantize")
         return Spec(dequant=dq is not None, out_dtype=DTYPE_CODES[dq.dtype] if dq else "BF16",
                     mp=sh.mp if sh else None, arch=self.arch,
-                    keep_mtp=self.mtp == "keep" or (self.mtp == "auto" and sh is None),
+                    keep_mtp=None if self.mtp == "auto" else self.mtp == "keep",
                     quantize=qz.format if qz else None, group_size=qz.group_size if qz else 128)
 
     def job(self) -> Spec | MergeSpec:

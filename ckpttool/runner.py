@@ -25,7 +25,7 @@ from ckpttool.execute.staging import Staging
 from ckpttool.execute.tasks import make_tasks
 from ckpttool.dtypes import itemsize
 from ckpttool.io.checkpoint import Checkpoint
-from ckpttool.io.layout import PARTIAL_DIR, check_output_names
+from ckpttool.io.layout import PARTIAL_DIR, STREAM_FETCH, STREAM_INPUT, check_output_names
 from ckpttool.io.safetensors import gguf_error, is_gguf
 from ckpttool.plan.build import Spec
 from ckpttool.plan.merge import MergeSpec
@@ -34,12 +34,14 @@ from ckpttool.progress import Progress
 from ckpttool.publish.destination import (
     SPACE_MARGIN,
     DestinationLock,
+    allocated,
     already_complete,
     check_destination,
     check_free_space,
     check_outside,
     existing_ancestor,
     free_space,
+    snapshot,
 )
 from ckpttool.publish.publish import publish
 from ckpttool.recipe import INPUT, DownloadStage, Execution, Recipe
@@ -324,7 +326,7 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
                     check_free_space(dst, sum(f.size for f in plan.files) + copies + SPACE_MARGIN)
                 if not complete:
                     staging = Staging(dst, plan, resume=opts.resume, overwrite=opts.overwrite, timings=clock,
-                                      inputs=inputs.fingerprint())
+                                      inputs=inputs.fingerprint(), dst_before=snapshot(dst))
         except CkptError as exc:
             setup_error = exc
         if group.share_outcome(setup_error, complete):
@@ -349,8 +351,10 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
             todo = sum(p.end - p.start for f in plan.files if f.name not in staging.published
                        and (counted is None or f.name in counted)
                        for p in f.tensors if (f.name, p.tensor.name) not in staging.done)
-            if group.rank == 0 and opts.resume:
-                check_free_space(dst, todo + copies + SPACE_MARGIN)
+            if group.rank == 0 and opts.resume:  # what an interrupted run wrote, journalled or not, needs no room
+                present = sum(allocated(dst / PARTIAL_DIR / d) for d in (STREAM_INPUT, STREAM_FETCH)) if streamed else 0
+                check_free_space(dst, staging.still_to_allocate() + max(0, copies - present) + SPACE_MARGIN,
+                                 what="what the interrupted run has left to write")
             label = job.label if group.world_size == 1 else f"rank {group.rank}/{group.world_size}"
             with Progress(todo, label, quiet=opts.quiet) as progress, clock.phase("execute"):
                 if streamed:

@@ -21,8 +21,8 @@ from test_moe import _BASE as MOE_TINY_BASE, TINY as MOE_TINY
 from ckpttool.families.deepseek import spec as deepseek_spec
 from ckpttool.families.moe import spec as moe_spec
 
-STRIPPED = set(deepseek_spec.ROUTING_FIELDS) | set(moe_spec._ROUTING_FIELDS) | \
-    {k for fields in moe_spec.HARD_CODED_ROUTING.values() for k in fields} | \
+STRIPPED = set(deepseek_spec.ROUTING_FIELDS) | set(moe_spec.ROUTING_FIELDS) | \
+    {k for row in moe_spec.TYPES.values() for k in row.hard_coded_routing} | \
     {"num_experts", "num_local_experts", "n_routed_experts", "partial_rotary_factor", "rotary_dim", "rope_theta"}
 
 _MOE_BASE = {**MOE_TINY_BASE, "hidden_size": 128}  # head_dim 32 where the class derives it

@@ -10,7 +10,8 @@ download (read from its installed source):
 
 It never advertises Xet (no X-Xet-Hash, no xetHash), so the client stays on plain HTTP. Faults are
 switched on per file: cut a transfer at a byte offset, stall it until released, serve corrupt bytes,
-ignore Range; `throttle` caps the rate of all transfers together. Every request is logged; unknown
+ignore Range; or answer as a hostile hub would (`hostile`: an endless body, a false Content-Length, a
+trickle, a gzip bomb, a wrong Content-Range); `throttle` caps the rate of all transfers together. Every request is logged; unknown
 paths answer 404 and are listed in `unknown`.
 """
 
@@ -72,6 +73,7 @@ class _Faults:
     stall_at: dict[str, int] = field(default_factory=dict)
     corrupt: dict[str, list] = field(default_factory=dict)  # file -> [offset, remaining times (None: always)]
     honor_range: bool = True
+    hostile: dict[str, tuple[str, int]] = field(default_factory=dict)  # file -> (how, n): see HubServer.hostile
 
 
 _POINTER_SIZE = 134  # bytes of an LFS pointer file for a sha256 oid and a small size
@@ -168,6 +170,14 @@ class HubServer:
             self._next_send = at + n / self._rate
         if at > now:
             time.sleep(at - now)
+
+    def hostile(self, path: str, how: str, n: int = 0) -> None:
+        """Answer GETs of `path` as a hostile hub: `endless` (no Content-Length, the file then zeros until the
+        client hangs up), `overlong` (Content-Length and body n bytes past the file), `trickle` (the first n
+        bytes, then one byte every 2 s), `stall` (the first n bytes, then nothing until release() or close(),
+        every time, a range request too), `gzip` (Content-Encoding gzip of the file followed by n zero bytes), `wrong-range` (a range request answered from byte 0 with a 206 saying so)."""
+        with self._lock:
+            self._faults.hostile[path] = (how, n)
 
     def ignore_range(self, ignore: bool = True) -> None:
         with self._lock:
@@ -304,6 +314,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         size = len(entry.data)
         start, end, status = 0, size, 200
+        hostile = self.hub._faults.hostile.get(filename)
+        if hostile is not None and send_body and (hostile[0] == "stall"
+                                                  or (hostile[0] == "wrong-range") == ("Range" in self.headers)):
+            self._hostile(entry, *hostile)
+            return
         rng = self.headers.get("Range")
         if rng and self.hub._faults.honor_range:
             m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
@@ -354,6 +369,57 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def _hostile(self, entry: RepoEntry, how: str, n: int) -> None:
+        data = entry.data
+        headers = {"Content-Type": "application/octet-stream", "ETag": f'"{entry.etag}"'}
+        status, body = 200, data
+        if how == "overlong":
+            body = data + b"\0" * n
+            headers["Content-Length"] = str(len(body))
+        elif how == "gzip":
+            import gzip
+
+            body = gzip.compress(data + b"\0" * n, 9)
+            headers.update({"Content-Encoding": "gzip", "Content-Length": str(len(body))})
+        elif how == "wrong-range":
+            status = 206
+            headers.update({"Content-Range": f"bytes 0-{len(data) - 1}/{len(data)}", "Content-Length": str(len(data))})
+        elif how in ("trickle", "stall"):
+            headers["Content-Length"] = str(len(data))
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        if "Content-Length" not in headers:  # the body ends when the connection does
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.req.status = status
+        deadline = time.monotonic() + STALL_LIMIT_S
+        try:
+            if how in ("trickle", "stall"):
+                self.wfile.write(data[:n])
+                self.wfile.flush()
+                self.req.sent = n
+                if how == "stall":
+                    self.hub.stalled.set()
+                    self.hub._release.wait(STALL_LIMIT_S)
+                for i in range(n, len(data) if how == "trickle" else n):
+                    if time.monotonic() > deadline or self.hub._release.wait(2.0):
+                        break
+                    self.wfile.write(data[i:i + 1])
+                    self.wfile.flush()
+                    self.req.sent += 1
+            else:
+                self.wfile.write(body)
+                self.req.sent = len(body)
+                while how == "endless" and time.monotonic() < deadline:  # until the client hangs up
+                    self.wfile.write(b"\0" * SEND_BYTES)
+                    self.req.sent += SEND_BYTES
+            self.wfile.flush()
+        except OSError:
+            pass
+        self.close_connection = True
 
     # -- responses ------------------------------------------------------------------------------------
     def _json(self, payload: object) -> None:

@@ -64,7 +64,7 @@ def test_moe_outputs_state_what_transformers_reads(tmp_path, model_type):
             assert value == getattr(ours, name), name
     assert out["rope_theta"] == ours.rope_parameters["rope_theta"]
     assert out["num_experts_per_tok"] == ours.num_experts_per_tok
-    for name, value in moe_spec.HARD_CODED_ROUTING.get(model_type, {}).items():
+    for name, value in moe_spec.TYPES[model_type].hard_coded_routing.items():
         assert out[name] == value, name
     if model_type in ("qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"):
         assert out["norm_topk_prob"] == ours.norm_topk_prob

@@ -147,7 +147,7 @@ def test_too_little_free_space_is_refused_before_anything_is_created(tiny_v3, sm
     dst = small_filesystem / "out"
     proc = run_cli("convert", tiny_v3, dst, "--mp", 2, "--dtype", "bf16", check=False)
     assert proc.returncode != 0
-    assert "GiB free, only" in proc.stderr and "fix:" in proc.stderr and str(small_filesystem) in proc.stderr
+    assert "free for the output, only" in proc.stderr and "fix:" in proc.stderr and str(small_filesystem) in proc.stderr
     assert list(small_filesystem.iterdir()) == []  # not even DST
 
 

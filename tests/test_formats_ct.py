@@ -210,16 +210,15 @@ def test_fp16_product_tables_are_numpys_fp16_multiply_for_every_fp16_scale(cpu_k
 
 
 def test_zero_points_outside_the_rows_bits_and_act_order_outside_its_groups_are_named():
-    """What a dtype cannot show, checked once per tensor before any chunk (QuantFormat.check_values)."""
-    row = int_row("pack", 4, "tensor", 0, True, False)  # the library leaves a per-tensor zero point unpacked, I8
-    assert row.check_values({"zero": np.array([7], np.int8)}, {"scale": (1,)}) is None
-    assert row.check_values({"zero": np.array([9], np.int8)}, {"scale": (1,)}) == \
-        ("zero", "zero point 9 is outside the 4-bit range [-8, 7]")
-    act = int_row("pack", 4, "group", 32, False, True)
+    """What a dtype cannot show, checked once per task before any chunk (Side.check_values)."""
+    zero = int_row("pack", 4, "tensor", 0, True, False).side("zero")  # the library leaves it unpacked, I8 [1]
+    assert zero.check_values(np.array([7], np.int8), {"scale": (1,)}) is None
+    assert zero.check_values(np.array([9], np.int8), {"scale": (1,)}) == "zero point 9 is outside the 4-bit range [-8, 7]"
+    g_idx = int_row("pack", 4, "group", 32, False, True).side("g_idx")
     g = np.arange(128, dtype=np.int32) // 32
-    assert act.check_values({"g_idx": g}, {"scale": (8, 4)}) is None
-    assert act.check_values({"g_idx": np.full(128, -1, np.int32)}, {"scale": (8, 4)}) is None
-    assert "outside the 4 groups" in act.check_values({"g_idx": g + 1}, {"scale": (8, 4)})[1]
+    assert g_idx.check_values(g, {"scale": (8, 4)}) is None
+    assert g_idx.check_values(np.full(128, -1, np.int32), {"scale": (8, 4)}) is None
+    assert "outside the 4 groups" in g_idx.check_values(g + 1, {"scale": (8, 4)})
 
 
 def test_every_row_a_plan_can_name_is_found_by_its_name():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import load_dir, run_cli
+from ckpttool.io.layout import MANIFEST
 from dense_models import TINY, build_hf
 
 pytest.importorskip("transformers")
@@ -77,6 +78,9 @@ def test_merge_refuses_incomplete_or_foreign_shards(dense_sources, tmp_path):
     config = json.loads((tmp_path / "mp2" / "config.json").read_text())
     config["num_key_value_heads"] = 4  # a config that is not the shards': merged shapes contradict it
     (tmp_path / "mp2" / "config.json").write_text(json.dumps(config))
+    proc = run_cli("merge", tmp_path / "mp2", tmp_path / "hf2", "--quiet", check=False)
+    assert proc.returncode != 0 and "config.json is" in proc.stderr and "the manifest beside it" in proc.stderr
+    (tmp_path / "mp2" / MANIFEST).unlink()  # unchecked, the shapes still tell
     proc = run_cli("merge", tmp_path / "mp2", tmp_path / "hf2", "--quiet", check=False)
     assert proc.returncode != 0 and "contradicts config.json" in proc.stderr
     assert not (tmp_path / "hf2" / "model.safetensors").exists()

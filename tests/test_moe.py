@@ -65,10 +65,11 @@ def test_every_moe_type_has_a_tiny_model():
 @pytest.mark.parametrize("model_type", sorted(TINY))
 def test_config_defaults_are_the_transformers_class_defaults(model_type):
     defaults = transformers.CONFIG_MAPPING[model_type]()
-    for field, value in spec.CONFIG_DEFAULTS[model_type].items():
+    row = spec.TYPES[model_type]
+    for field, value in row.defaults.items():
         assert getattr(defaults, field) == value, field
-    assert spec.FLAVORS[model_type].default_theta == defaults.rope_parameters["rope_theta"]
-    assert spec.PARTIAL_ROTARY_DEFAULT.get(model_type, 1.0) == defaults.rope_parameters.get("partial_rotary_factor", 1.0)
+    assert row.default_theta == defaults.rope_parameters["rope_theta"]
+    assert (row.partial_rotary or 1.0) == defaults.rope_parameters.get("partial_rotary_factor", 1.0)
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
@@ -208,7 +209,7 @@ def test_stacked_experts_read_as_per_expert_and_verify(moe_hf, tmp_path, model_t
     hf, ids, _ = moe_hf[model_type]
     stacked = tmp_path / "stacked"
     shutil.copytree(hf, stacked)
-    block, leaves = ("block_sparse_moe", ("w1", "w3", "w2")) if model_type == "mixtral" else ("mlp", spec._QWEN)
+    block, leaves = ("block_sparse_moe", ("w1", "w3", "w2")) if model_type == "mixtral" else ("mlp", spec.QWEN_LEAVES)
     tensors = stack_experts(load_file(str(hf / "model.safetensors")), 4 if model_type == "mixtral" else 8, block, leaves)
     assert "model.layers.2.mlp.experts.gate_up_proj" in tensors
     save_file(tensors, str(stacked / "model.safetensors"), metadata={"format": "pt"})
@@ -260,3 +261,24 @@ def test_a_config_counting_a_trillion_layers_is_refused_without_expanding_it(moe
     (src / "config.json").write_text(json.dumps(raw))
     proc = run_cli("plan", src, "--mp", 2, check=False)
     assert proc.returncode != 0 and "num_hidden_layers = 1000000000000 cannot describe" in proc.stderr
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_quantize_takes_every_linear_projection_of_the_types_own_table(moe_hf, model_type):
+    """Each type's own key table decides (Mixtral's experts are `block_sparse_moe.experts.E.w1`): every expert,
+    dense MLP, shared expert and attention projection is quantized; routers, norms, embeddings and the head not."""
+    from ckpttool.io.checkpoint import Checkpoint
+    from ckpttool.plan.build import Spec
+
+    hf = moe_hf[model_type][0]
+    with Checkpoint(hf) as ckpt:
+        plan = Spec(quantize="fp8_block").plan(ckpt)
+        cfg = spec.MoeConfig.from_dict(ckpt.config)
+    quantized = {p.tensor.name for f in plan.files for p in f.tensors if p.tensor.transform == "quantize_fp8_block"}
+    row = spec.TYPES[model_type]
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    experts = {f"model.layers.{i}.{row.block}.experts.{e}.{leaf}.weight" for i in moe_layers
+               for e in range(cfg.num_experts) for leaf in row.expert_leaves}
+    attention = {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(cfg.num_hidden_layers) for p in "qkvo"}
+    assert experts <= quantized and attention <= quantized, sorted(experts - quantized)[:3]
+    assert not {n for n in quantized if "norm" in n or "gate.weight" in n or "embed" in n or "lm_head" in n}

@@ -3,6 +3,7 @@ explicitly) and maps CkptError to a message and an exit code."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -22,10 +23,13 @@ import click  # noqa: E402
 import typer  # noqa: E402
 
 from ckpttool.cli.app import app  # noqa: E402
-from ckpttool.errors import CkptError, printable  # noqa: E402
+from ckpttool.errors import CkptError, Stopped, check_stop, forget_stops, printable, stop  # noqa: E402
+from ckpttool.execute.staging import disk_error  # noqa: E402
 
-INTERRUPTED = ("interrupted (Ctrl-C): a conversion's finished work stays journalled in DST/.ckpttool-partial\n"
-               "  fix: rerun the same command with --resume to continue it (or delete that directory to discard it)")
+JOURNALLED = ("a conversion's finished work stays journalled in DST/.ckpttool-partial\n"
+              "  fix: rerun the same command with --resume to continue it (or delete that directory to discard it)")
+INTERRUPTED = f"interrupted (Ctrl-C): {JOURNALLED}"
+TERMINATED = f"terminated (SIGTERM): {JOURNALLED}"
 
 # typer >= 0.23 vendors its own click: usage errors and aborts come from either package
 USAGE_ERRORS = tuple({click.ClickException,
@@ -33,12 +37,25 @@ USAGE_ERRORS = tuple({click.ClickException,
 ABORTS = tuple({click.Abort, typer.Abort})
 
 
-class Interrupted(BaseException):
-    """Ctrl-C, raised in place of KeyboardInterrupt (which typer turns into a silent exit code 130)."""
+def _on_signal(signum, frame) -> None:
+    """Ctrl-C and SIGTERM end a run like an error (KeyboardInterrupt would become typer's silent exit 130)."""
+    stop(signum)
 
 
-def _on_sigint(signum, frame) -> None:
-    raise Interrupted()
+def stopped_message(exc: BaseException) -> tuple[str, int]:
+    """What the CLI prints for a run a signal ended, and its exit code (128 + the signal)."""
+    signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+    text = TERMINATED if signum == signal.SIGTERM else INTERRUPTED
+    if isinstance(exc, Stopped) and exc.who and signum == signal.SIGTERM:
+        text = f"{exc.who} was {text}"
+    return text, 128 + signum
+
+
+def _owned(signum: int, default) -> bool:
+    """Whether this process may take `signum`: its handler is still the default (or the start-up one of
+    __main__), never where someone set it to be ignored or handled."""
+    handler = signal.getsignal(signum)
+    return handler is default or getattr(handler, "ckpttool_startup", False)
 
 
 def as_ckpt_error(exc: BaseException) -> CkptError:
@@ -46,6 +63,8 @@ def as_ckpt_error(exc: BaseException) -> CkptError:
     code does not check yet can end in a traceback (CKPTTOOL_DEBUG=1 shows it)."""
     if isinstance(exc, CkptError):
         return exc
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return disk_error(exc, exc.filename)  # a full disk: how to go on
     if isinstance(exc, OSError):
         return CkptError(f"{exc.strerror or type(exc).__name__}", file=exc.filename,
                          fix="check that the path exists, is the kind of file this command expects, and that you "
@@ -72,27 +91,33 @@ def _report(error: CkptError, argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. Every failure becomes `error:` / `fix:` lines and exit code 1 (2 for usage and
-    recipe errors, 130 for Ctrl-C), with no traceback unless CKPTTOOL_DEBUG=1 or `ckpttool -v ...`
-    (then it re-raises).
+    recipe errors, 130 for Ctrl-C, 143 for SIGTERM), with no traceback unless CKPTTOOL_DEBUG=1 or
+    `ckpttool -v ...` (then it re-raises).
     Returns the exit code when called with argv (tests); with --json the error is also JSON on stdout."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("CKPTTOOL_DEBUG") == "1" or args[:1] in (["-v"], ["--verbose"])
-    own_sigint = (threading.current_thread() is threading.main_thread()
-                  and signal.getsignal(signal.SIGINT) is signal.default_int_handler)  # never where it is ignored
-    if own_sigint:
-        signal.signal(signal.SIGINT, _on_sigint)
+    owned_defaults = ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))
+    owned = [(signum, signal.getsignal(signum)) for signum, default in owned_defaults
+             if threading.current_thread() is threading.main_thread() and _owned(signum, default)]
+    forget_stops()
+    for signum, _ in owned:
+        signal.signal(signum, _on_signal)
+    unraisable = sys.unraisablehook
+    if owned:  # a Stopped swallowed in a destructor is raised again (check_stop), not printed as a traceback
+        sys.unraisablehook = lambda u: None if isinstance(u.exc_value, Stopped) else unraisable(u)
     try:
         code = app(args=argv, prog_name="ckpttool", standalone_mode=False)
+        check_stop()  # a signal whose exception landed where it was swallowed (a destructor, a weakref callback)
     except USAGE_ERRORS as exc:
         ctx = getattr(exc, "ctx", None)
         where = ctx.command_path if ctx is not None else "ckpttool"
         print(f"error: {printable(exc.format_message())}\n  fix: see `{where} --help`", file=sys.stderr)
         code = exc.exit_code
-    except (*ABORTS, KeyboardInterrupt, Interrupted):
+    except (*ABORTS, KeyboardInterrupt, Stopped) as exc:
         if debug:
             raise
-        print(INTERRUPTED, file=sys.stderr)
-        code = 130
+        text, code = stopped_message(exc)
+        print(text, file=sys.stderr)
     except Exception as exc:  # noqa: BLE001 - the one place every failure is turned into a message
         if debug:
             raise
@@ -104,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         _report(error, args)
         code = error.exit_code
     finally:
-        if own_sigint:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.unraisablehook = unraisable
+        for signum, previous in owned:  # the start-up handler's "nothing was written" would be wrong now
+            signal.signal(signum, dict(owned_defaults)[signum] if getattr(previous, "ckpttool_startup", False)
+                          else previous)
     code = code if isinstance(code, int) else 0
     if argv is None:
         sys.exit(code)
@@ -124,6 +151,9 @@ def entry() -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
+    except (KeyboardInterrupt, Stopped) as exc:  # a signal between main()'s own handling and the exit
+        text, code = stopped_message(exc)
+        print(text, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

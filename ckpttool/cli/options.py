@@ -50,7 +50,8 @@ Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted 
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit; reads no weights.")]
 KeepMtp = Annotated[Optional[bool], typer.Option(
     "--keep-mtp/--drop-mtp", show_default=False,
-    help="Keep or drop multi-token-prediction layers (default: kept in HF outputs, dropped from mp shards).")]
+    help="Keep or drop multi-token-prediction layers (default: kept in HF outputs; in mp shards as the "
+         "reference layout has them: dropped for DeepSeek-V3, kept for V4).")]
 
 
 def verbose() -> bool:

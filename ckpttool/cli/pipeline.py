@@ -143,7 +143,9 @@ def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = No
             workers: Workers = None, processes: Processes = None, device: Device = defaults.DEVICE,
             max_input_files: MaxInputFiles = None, overwrite: Overwrite = False, resume: Resume = False,
             dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
-    """FP8 HF checkpoint -> BF16 HF checkpoint (index, config and tokenizer rewritten/copied).
+    """Quantized HF checkpoint -> BF16 HF checkpoint (index, config and tokenizer rewritten/copied).
+
+    Reads the formats README's "Quantized inputs" lists: FP8, MXFP4, compressed-tensors, ModelOpt, GPTQ, AWQ.
 
     Example: ckpttool dequant ./DeepSeek-V3 ./DeepSeek-V3-bf16
     """
@@ -219,6 +221,8 @@ def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.
 
     The same key table read backwards: split tensors are concatenated, replicated ones taken once, experts
     gathered from their ranks, FP8 `.scale` back to `weight_scale_inv`. shard then merge is byte-identical.
+    Beside ckpttool's manifest, every shard is checked against it (size, then hash before it is read): a rank
+    file of another conversion is refused. Shards without a manifest are read unchecked.
 
     Example: ckpttool merge ./llama-mp4 ./llama-hf
     """

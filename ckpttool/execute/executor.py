@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from ckpttool import defaults
+from ckpttool.errors import check_stop
 from ckpttool.execute.cuda import CudaTransforms
 from ckpttool.execute.device import resolve_device
 from ckpttool.execute.staging import Staging
@@ -134,6 +135,7 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
             pass
         if abort is not None and abort.done() and abort.exception() is not None:
             raise abort.exception()
+        check_stop()  # Ctrl-C or SIGTERM whose exception was swallowed where the handler ran (errors.stop)
         for fut in finished:
             if fut not in in_flight:  # the commit request, or abort
                 continue

@@ -9,28 +9,32 @@ files (distributed.assign_files) exactly as a torchrun rank does: its own journa
 left beside them. Rank 0 publishes once every rank has finished. Tensors never cross processes, so the
 bytes are those of a single process.
 
-Each child reports through a pipe: progress as it goes, then its timings or its error (a CkptError keeps
-its message, file, tensor and fix). A child that dies without a word (a signal, the OOM killer) fails
-the run naming its rank; the work it journalled stands, for --resume. A child dies with its parent
-(PR_SET_PDEATHSIG), and a failing parent kills its children before it reports. A rank that fails sets
-ForkedRanks.abort, which rank 0's execute raises at once rather than finish its own share first.
+Each child reports through a pipe: progress as it goes, a heartbeat every HEARTBEAT_S, then its timings or
+its error (a CkptError keeps its message, file, tensor and fix; an OSError its errno and file; a signal
+which one). A child that dies without a word (a signal, the OOM killer), or goes RANK_TIMEOUT_S without one
+(stopped by SIGSTOP, hung), fails the run naming its rank; the work it journalled stands, for --resume. A
+child dies with its parent (PR_SET_PDEATHSIG), and a failing parent kills its children before it reports.
+A rank that fails sets ForkedRanks.abort, which rank 0's execute raises at once rather than finish its own
+share first.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import select
 import signal
 import struct
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
 from ckpttool import defaults, faults
-from ckpttool.errors import CkptError, InputError, OutputError, PlanError, RecipeError
+from ckpttool.errors import CkptError, InputError, OutputError, PlanError, RecipeError, Stopped
 from ckpttool.execute.device import resolve_device
 from ckpttool.execute.executor import execute
 from ckpttool.execute.staging import Staging
@@ -38,6 +42,10 @@ from ckpttool.plan.types import Plan
 from ckpttool.timing import Timings
 
 _LENGTH = struct.Struct("<Q")
+HEARTBEAT_S = 1.0
+"""a child says it is alive this often, whatever its work is doing"""
+RANK_TIMEOUT_S = float(os.environ.get("CKPTTOOL_RANK_TIMEOUT_S", 60))
+"""a child silent this long (stopped by SIGSTOP, or hung) is ended and fails the run, naming its rank"""
 _KINDS = (InputError, PlanError, OutputError, RecipeError, CkptError)
 """the error classes a child's CkptError is rebuilt as in the parent (the first it is an instance of)"""
 
@@ -67,6 +75,7 @@ def rank_share(rank0: Staging, plan: Plan, inputs, shares: list[set[str]], devic
     left beside them), and return its timings."""
 
     def share(rank: int, progress: Callable[[int], None]) -> dict:
+        inputs.reopen()  # descriptors (and read leases, io/mapped.py) of this process's own
         clock = Timings()
         staging = rank0.fork_rank(rank, clock)
         try:
@@ -132,28 +141,65 @@ class ForkedRanks:
             self._readers.append(t)
 
     def _read(self, rank: int, pid: int, fd: int, progress: Callable[[int], None] | None) -> None:
-        said = None
-        with os.fdopen(fd, "rb") as pipe:
-            while len(head := pipe.read(_LENGTH.size)) == _LENGTH.size:
-                try:
-                    kind, value = pickle.loads(pipe.read(_LENGTH.unpack(head)[0]))
-                except Exception:  # noqa: BLE001 - a message cut short by the child's death
+        said, silent = None, None
+        buf = bytearray()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        heard = tick = time.monotonic()
+        try:
+            while True:
+                ready = poller.poll(int(HEARTBEAT_S * 1000))
+                now = time.monotonic()
+                if now - tick > 3 * HEARTBEAT_S:  # this process was itself stopped (Ctrl-Z): not the child's silence
+                    heard = now
+                tick = now
+                if not ready:
+                    if now - heard > RANK_TIMEOUT_S:
+                        silent = now - heard
+                        break
+                    continue
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
                     break
-                if kind == "progress":
-                    if progress is not None:
-                        progress(value)
-                elif kind == "done":
-                    self.reports[rank] = value
-                else:
-                    said = value
+                heard = now
+                buf += chunk
+                while len(buf) >= _LENGTH.size and len(buf) >= _LENGTH.size + (n := _LENGTH.unpack_from(buf)[0]):
+                    kind, value = pickle.loads(bytes(buf[_LENGTH.size:_LENGTH.size + n]))
+                    del buf[:_LENGTH.size + n]
+                    if kind == "progress":
+                        if progress is not None:
+                            progress(value)
+                    elif kind == "done":
+                        self.reports[rank] = value
+                    elif kind != "alive":
+                        said = value
+        except Exception:  # noqa: BLE001 - a message cut short by the child's death
+            pass
+        finally:
+            os.close(fd)
+        state = _state(pid) if silent is not None else None
+        if silent is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         status = _reap(pid)
         if rank in self.reports:
             return
-        error = _rebuild(rank, said) if said is not None else self._died(rank, status)
+        error = (self._silent(rank, pid, silent, state) if silent is not None
+                 else _rebuild(rank, said) if said is not None else self._died(rank, status))
         with self._lock:
             self.failed[rank] = error
-            if not self.abort.done() and not isinstance(error, KeyboardInterrupt):  # Ctrl-C reaches rank 0 too
+            if not self.abort.done():
                 self.abort.set_exception(error)
+
+    def _silent(self, rank: int, pid: int, seconds: float, state: str | None) -> CkptError:
+        how = "has been stopped (SIGSTOP)" if state in ("T", "t") else "has sent nothing (hung?)"
+        return OutputError(f"conversion process rank {rank} (pid {pid}) {how} for {seconds:.0f} s, past the "
+                           f"{RANK_TIMEOUT_S:g} s liveness limit; it was ended and the run stopped; the work it "
+                           "journalled stands", file=self.where,
+                           fix="rerun the same command with --resume (a rank stopped on purpose must be continued, "
+                               "kill -CONT, within CKPTTOOL_RANK_TIMEOUT_S)")
 
     def _died(self, rank: int, status: int | None) -> CkptError:
         how = ("ended" if status is None else f"was killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
@@ -195,6 +241,15 @@ class ForkedRanks:
         self.children.clear()
 
 
+def _state(pid: int) -> str | None:
+    """The process's state letter in /proc (T: stopped), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _reap(pid: int) -> int | None:
     try:
         return os.waitpid(pid, 0)[1]
@@ -204,23 +259,40 @@ def _reap(pid: int) -> int | None:
 
 def _child(rank: int, fd: int, share: Share, parent: int) -> None:
     code = 1
+    lock = threading.Lock()  # the heartbeat's thread and this one write whole messages to one pipe
+
+    def send(kind: str, value) -> None:
+        with lock:
+            _send(fd, kind, value)
+
     try:
         _die_with(parent)
         faults.RANK = rank
+        threading.Thread(target=_heartbeat, args=(send,), name="ckpttool-heartbeat", daemon=True).start()
 
         def progress(n: int) -> None:
-            _send(fd, "progress", n)
+            send("progress", n)
 
         report = share(rank, progress)
-        _send(fd, "done", report)
+        send("done", report)
         code = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         try:
-            _send(fd, "error", _payload(exc))
+            send("error", _payload(exc))
         except BaseException:  # noqa: BLE001 - the parent then reports a silent death
             pass
     finally:
         os._exit(code)  # no atexit, no finalizers: the parent's objects (its lock, its journal) are its own
+
+
+def _heartbeat(send: Callable[[str, object], None]) -> None:
+    """Tell the parent this process is alive (and not stopped) every HEARTBEAT_S, until the pipe closes."""
+    while True:
+        time.sleep(HEARTBEAT_S)
+        try:
+            send("alive", None)
+        except OSError:
+            return
 
 
 def _die_with(parent: int) -> None:
@@ -244,17 +316,25 @@ def _send(fd: int, kind: str, value) -> None:
 
 def _payload(exc: BaseException) -> tuple:
     if isinstance(exc, KeyboardInterrupt):  # Ctrl-C reaches every process of the terminal's group
-        return ("interrupt",)
+        return ("signal", signal.SIGINT)
+    if isinstance(exc, Stopped):
+        return ("signal", exc.signum)
     if isinstance(exc, CkptError):
         kind = next(k for k in _KINDS if isinstance(exc, k))
         return "ckpt", kind, exc.message, exc.file, exc.tensor, exc.fix
-    return "bug", "".join(traceback.format_exception(exc))
+    if isinstance(exc, OSError):  # e.g. a full disk where no CkptError names it: the parent's CLI does
+        return "os", exc.errno, exc.strerror, exc.filename
+    return "bug", f"{type(exc).__name__}: {str(exc)[:300]}", "".join(traceback.format_exception(exc))
 
 
 def _rebuild(rank: int, payload: tuple) -> BaseException:
-    if payload[0] == "interrupt":
-        return KeyboardInterrupt()
+    if payload[0] == "signal":
+        return Stopped(payload[1], f"conversion process rank {rank}")
     if payload[0] == "ckpt":
         _, kind, message, file, tensor, fix = payload
         return kind(message, file=file, tensor=tensor, fix=fix)
-    return RuntimeError(f"conversion process rank {rank} failed:\n{payload[1]}")
+    if payload[0] == "os":
+        return OSError(*payload[1:3], payload[3]) if payload[3] is not None else OSError(*payload[1:3])
+    error = RuntimeError(f"conversion process rank {rank} failed: {payload[1]}")
+    error.add_note(f"rank {rank}'s traceback:\n{payload[2]}")  # shown with CKPTTOOL_DEBUG=1
+    return error

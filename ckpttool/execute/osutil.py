@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 except OSError:  # pragma: no cover - no C library to load
     _libc = None
 _malloc_trim = getattr(_libc, "malloc_trim", None)
@@ -50,3 +51,29 @@ def in_memory_fs(path) -> bool:
     except (OSError, ValueError, TypeError):
         return False
     return (buf[0] & 0xFFFFFFFF) in _MEMORY_FS
+
+
+_renameat2 = getattr(_libc, "renameat2", None)
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1
+
+
+def rename_noreplace(src, dst) -> None:
+    """Rename `src` to `dst` unless `dst` exists (FileExistsError), in one step where the kernel and the
+    filesystem can (renameat2 RENAME_NOREPLACE: Linux 3.15+, glibc 2.28+), else by a hard link (which fails
+    on an existing name) and an unlink, else, last, a check and a rename."""
+    if _renameat2 is not None:
+        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, 0):
+            raise OSError(err, os.strerror(err), str(dst))
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        raise
+    except OSError:
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst)) from None
+        os.rename(src, dst)
+        return
+    os.unlink(src)

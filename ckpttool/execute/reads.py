@@ -58,6 +58,7 @@ class SideReader:
         self.inputs, self.source, self.sides = inputs, source, sides
         self.whole: dict[str, np.ndarray] = {}
         self.global_scale = 1.0
+        shapes = {s.side.role: tuple(s.info.shape) for s in sides}
         for s in sides:
             if s.side.read == BY_ROWS:
                 continue
@@ -70,11 +71,10 @@ class SideReader:
                                      fix="the checkpoint is corrupt; re-download this shard")
             else:  # a scalar is one row (a per-tensor scale stored as a 0-d tensor)
                 self.whole[s.side.role] = checked(inputs, source, s, values.reshape(values.shape or (1,)))
-        wrong = fmt.check_values(self.whole, {s.side.role: tuple(s.info.shape) for s in sides})
-        if wrong is not None:
-            s = next(s for s in sides if s.side.role == wrong[0])
-            raise InputError(wrong[1], file=inputs.root / s.file, tensor=s.name,
-                             fix="the checkpoint is corrupt or not what its config.json says; re-download it")
+                problem = s.side.check_values(values, shapes) if s.side.check_values else None
+                if problem:
+                    raise InputError(problem, file=inputs.root / s.file, tensor=s.name,
+                                     fix="the checkpoint is corrupt or not what config.json says; re-download it")
 
     def chunk(self, values: np.ndarray, dtype: str, r0: int, r1: int) -> Chunk:
         """Output rows [r0, r1)'s chunk: the stored values they are made from and the side spans they need."""

@@ -19,6 +19,7 @@ from typing import Callable
 
 from ckpttool import defaults, faults
 from ckpttool.errors import OutputError
+from ckpttool.execute.osutil import rename_noreplace
 from ckpttool.io.hashing import ALGORITHM, PrefixHasher
 from ckpttool.io.safetensors import printable
 from ckpttool.io.layout import JOURNAL, PARTIAL_DIR, PLAN_FILE
@@ -28,10 +29,13 @@ from ckpttool.timing import Timings
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+NO_SPACE_FIX = ("free space on that filesystem, then rerun the same command with --resume: the work journalled in "
+                "DST/.ckpttool-partial stands, and the free-space check then counts only what is left to write")
+
+
 def disk_error(exc: OSError, path: object) -> OutputError:
-    if exc.errno == errno.ENOSPC:
-        return OutputError("no space left on device", file=path,
-                           fix="free disk space, then rerun the same command with --resume")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutputError(f"no space left on device ({exc.strerror})", file=path, fix=NO_SPACE_FIX)
     return OutputError(f"write failed: {exc.strerror}", file=path, fix="check the output filesystem, then --resume")
 
 
@@ -67,7 +71,7 @@ class Staging:
     """
 
     def __init__(self, dst: Path, plan: Plan, *, resume: bool, overwrite: bool = False, rank: int = 0,
-                 timings: Timings | None = None, inputs: dict | None = None):
+                 timings: Timings | None = None, inputs: dict | None = None, dst_before: dict | None = None):
         self.dst = Path(dst)
         self.timings = timings or Timings()
         self.dir = self.dst / PARTIAL_DIR
@@ -75,6 +79,8 @@ class Staging:
         self.plan_hash = plan.hash
         self.done: set[tuple[str, str]] = set()
         self.published: set[str] = set()
+        self.dst_before = dst_before or {}
+        """DST's entries when the run began (publish.destination.snapshot): all publish may replace"""
         plan_path = self.dir / PLAN_FILE
         journal = self.dir / (JOURNAL if rank == 0 else f"journal.{rank}.jsonl")
         if os.path.islink(self.dir):
@@ -86,9 +92,10 @@ class Staging:
                 shutil.rmtree(self.dir)
             self.dir.mkdir(parents=True)
             atomic_write(plan_path, json.dumps({"plan_hash": self.plan_hash, "resume_key": resume_key(plan),
-                                                "inputs": inputs, "plan": plan.to_json()}).encode())
+                                                "inputs": inputs, "dst_before": self.dst_before,
+                                                "plan": plan.to_json()}).encode())
         else:
-            self._check_resumable(plan_path, inputs)
+            self.dst_before = self._check_resumable(plan_path, inputs).get("dst_before") or {}
             self._load_journals()
         self._open(journal)
 
@@ -103,8 +110,12 @@ class Staging:
         return joined
 
     def _open(self, journal: Path) -> None:
+        self.journal_path = journal
         try:
-            self._journal = os.fdopen(os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o644), "ab")
+            self._journal = os.open(journal, os.O_RDWR | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o644)
+            end = os.fstat(self._journal).st_size
+            if end and os.pread(self._journal, 1, end - 1) != b"\n":
+                self._append(b"\n")  # a line torn by a kill or a full disk stays apart from the next one
         except OSError as exc:
             raise disk_error(exc, journal) from None
         self.fds: dict[str, int] = {}
@@ -116,7 +127,19 @@ class Staging:
         """told of every batch once it is journalled (hub/stream.py deletes the inputs nothing needs any more)"""
         self.commit_request = CommitRequest()
 
-    def _check_resumable(self, plan_path: Path, inputs: dict | None) -> None:
+    def _append(self, data: bytes) -> None:
+        """Append to this process's journal and make it durable; a full disk is an error naming the journal.
+        Written with os.write, not through a buffer that would try the lost bytes again at close."""
+        try:
+            faults.point("journal")
+            view = memoryview(data)
+            while len(view):
+                view = view[os.write(self._journal, view):]
+            os.fsync(self._journal)
+        except OSError as exc:
+            raise disk_error(exc, self.journal_path) from None
+
+    def _check_resumable(self, plan_path: Path, inputs: dict | None) -> dict:
         """The interrupted run planned the same thing from the same input bytes (by each input file's
         size, mtime, ctime and sampled content), else --resume would mix old and new tensors."""
         fix = "rerun with the original arguments and inputs, or --overwrite to start over"
@@ -129,13 +152,8 @@ class Staging:
             raise OutputError("--resume: the interrupted run was planned for different inputs or options",
                               file=plan_path, fix=fix)
         if inputs is not None and saved.get("inputs") != inputs:
-            old = saved.get("inputs") or {}
-            changed = sorted(n for n in set(old) | set(inputs) if old.get(n) != inputs.get(n))
-            what = [", ".join(k for k, a, b in zip(("size", "mtime", "ctime", "content"), old.get(n) or [None] * 4,
-                                                    inputs.get(n) or [None] * 4) if a != b) for n in changed[:3]]
-            raise OutputError("--resume: input file(s) changed since the interrupted run ("
-                              + "; ".join(f"{printable(n)}: {w}" for n, w in zip(changed, what)) + ")",
-                              file=plan_path, fix=fix)
+            raise _inputs_changed(saved.get("inputs") or {}, inputs, plan_path)
+        return saved
 
     def _load_journals(self) -> None:
         for path in sorted(self.dir.glob("journal*.jsonl")):
@@ -234,12 +252,26 @@ class Staging:
                 except OSError as exc:
                     raise disk_error(exc, self.dir / file) from None
         faults.point("commit")
-        self._journal.write(b"".join(json.dumps({"f": f, "t": t}).encode() + b"\n" for f, t in entries))
-        self._journal.flush()
-        os.fsync(self._journal.fileno())
+        self._append(b"".join(json.dumps({"f": f, "t": t}).encode() + b"\n" for f, t in entries))
         self.done.update(entries)
         if self.on_commit is not None:
             self.on_commit(entries)
+
+    def still_to_allocate(self) -> int:
+        """Bytes the output files still need on disk: each staged file's size less what is allocated to it
+        (files are sparse until written; a file already published needs nothing). What a resumed run's
+        free-space check counts: the bytes an interrupted run wrote are on disk, journalled or not."""
+        need = 0
+        for f in self.plan.files:
+            if f.name in self.published:
+                continue
+            try:
+                st = os.lstat(self.dir / f.name)
+            except FileNotFoundError:
+                need += f.size
+                continue
+            need += max(0, f.size - st.st_blocks * 512) if stat.S_ISREG(st.st_mode) else f.size
+        return need
 
     def written(self, file: str, start: int, end: int) -> None:
         """Bytes [start, end) of `file` hold their final contents (feeds the running hash). Said of each
@@ -264,8 +296,9 @@ class Staging:
     def close(self) -> None:
         self.close_files()
         self._hash_pool.shutdown(wait=True, cancel_futures=True)
-        if not self._journal.closed:
-            self._journal.close()
+        if self._journal >= 0:
+            os.close(self._journal)
+            self._journal = -1
 
     def saved_digests(self) -> dict[str, str]:
         """The running hashes left beside their files, by this or another rank's process."""
@@ -278,10 +311,31 @@ class Staging:
 
     def mark_published(self, name: str) -> None:
         """Journal that `name` has been moved into DST (a resumed publish skips it)."""
-        self._journal.write(json.dumps({"published": name}).encode() + b"\n")
-        self._journal.flush()
-        os.fsync(self._journal.fileno())
+        self._append(json.dumps({"published": name}).encode() + b"\n")
         self.published.add(name)
+
+
+def _inputs_changed(old: dict, new: dict, plan_path: Path) -> OutputError:
+    """Why --resume refuses inputs that differ from the interrupted run's, and how to go on. A file put back
+    (restored after a truncation, copied in again) has a new ctime whatever its bytes, and nothing proves
+    its bytes are those the journalled tensors were made from, so the way on is to start over."""
+    changed = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
+    fields = ("size", "mtime", "ctime", "content")
+    parts, put_back = [], 0
+    for n in changed:
+        a, b = old.get(n) or [None] * 4, new.get(n) or [None] * 4
+        diff = [k for k, x, y in zip(fields, a, b) if x != y]
+        same_bytes = n in old and n in new and "size" not in diff and "content" not in diff
+        put_back += same_bytes
+        parts.append(f"{printable(n)}: {', '.join(diff)}" + (" (same size and sampled bytes: put back?)"
+                                                               if same_bytes else ""))
+    shown = "; ".join(parts[:3]) + (f"; and {len(parts) - 3} more" if len(parts) > 3 else "")
+    why = ("a file put back (restored or copied in again) always has a new ctime, and --resume cannot prove its "
+           "bytes are those the journalled work was made from" if put_back else "the input is not the one the "
+           "journalled work was made from")
+    return OutputError(f"--resume: input file(s) changed since the interrupted run ({shown})", file=plan_path,
+                       fix=f"{why}: rerun the same command with --overwrite instead of --resume to convert from the "
+                           "start (the interrupted run's work is discarded)")
 
 
 def resume_key(plan: Plan) -> str:
@@ -301,10 +355,11 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         offset += n
 
 
-def atomic_write(path: Path, data: bytes | None = None, *, copy_from: Path | None = None) -> None:
+def atomic_write(path: Path, data: bytes | None = None, *, copy_from: Path | None = None, replace: bool = True) -> None:
     """Write `data` (or stream the file `copy_from`) to `path` through a fresh temp file beside it,
     created exclusively under a random name (so a planted symlink is never followed), fsynced, then
-    renamed over `path` (a rename replaces a symlink there, never its target)."""
+    renamed over `path` (a rename replaces a symlink there, never its target). With `replace` False
+    the rename fails with FileExistsError where `path` exists, in one step (osutil.rename_noreplace)."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".ckpttool-tmp", dir=path.parent)
     except OSError as exc:
@@ -319,12 +374,14 @@ def atomic_write(path: Path, data: bytes | None = None, *, copy_from: Path | Non
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        (os.replace if replace else rename_noreplace)(tmp, path)
     except OSError as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, FileExistsError) and not replace:
+            raise
         if copy_from is not None and isinstance(exc, FileNotFoundError) and exc.filename == str(copy_from):
             raise OutputError("a file to copy from the input is gone", file=copy_from,
                               fix="restore it in the input directory, then rerun with --resume") from None

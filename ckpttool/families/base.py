@@ -120,6 +120,9 @@ class Family:
     """verify's model and loaders, imported on first call (torch)"""
     mtp_config_key: str | None = None
     """config.json field counting MTP layers, zeroed when they are dropped."""
+    mtp_in_mp: bool = False
+    """whether the family's reference mp layout keeps the MTP layers (DeepSeek-V4's convert.py does,
+    V3's drops them): `--keep-mtp` / `--drop-mtp` left unsaid, mp shards follow it"""
     quantize: bool = False
     """whether the quantize stage supports this family; which weights it quantizes is the key
     table's LINEAR column (`quantizable`)"""
@@ -129,6 +132,12 @@ class Family:
     transformers_types: dict[str, str] = field(default_factory=dict)
     """model_type -> the transformers model_type implementing it, where transformers names it otherwise
     (Kimi-K2 ships remote code for the DeepSeek-V3 architecture): verify's oracle"""
+    key_map_of: Callable[[Any], KeyMap] | None = None
+    """parsed config -> its key table, where one model type's checkpoints come in several spellings
+    (DeepSeek-V4: DeepSeek's own names, or transformers' save_pretrained's); `keys(cfg)`"""
+    refused_types: dict[str, str] = field(default_factory=dict)
+    """model_type -> why this family does not read it, for a relative it is often mistaken for
+    (DeepSeek-V4.1 beside V4): `family_for` says so instead of listing the supported types"""
     explicit_config: Callable[[dict, object], dict] | None = None
     """(config.json dict, its path) -> the same config with the routing and rope fields stated that
     transformers fills from its class defaults (or hard-codes) and omits when it saves a config:
@@ -153,11 +162,14 @@ class Family:
         return self.expected_shapes(cfg, with_mtp)
 
     def keys(self, cfg: Any) -> KeyMap:
-        """The key table of a parsed config's model_type."""
+        """The key table of a parsed config: the family's own choice (`key_map_of`), else by model_type."""
+        if self.key_map_of is not None:
+            return self.key_map_of(cfg)
         return self.key_maps.get(getattr(cfg, "model_type", None), self.key_map)
 
-    def quantizable(self, hf_name: str) -> bool:
-        return self.quantize and self.key_map.is_linear(hf_name)
+    def quantizable(self, cfg: Any, hf_name: str) -> bool:
+        """Whether the quantize stage quantizes this tensor: a linear projection in the type's own key table."""
+        return self.quantize and self.keys(cfg).is_linear(hf_name)
 
 
 def rank_slice(key_map: KeyMap, native: str, shapes: dict[str, tuple[int, ...]], cfg: Any, rank: int,

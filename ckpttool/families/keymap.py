@@ -10,13 +10,14 @@ Two columns beyond the names:
   the quantize stage quantizes (never embeddings, norms, biases, routers or heads).
 
 Every `*.weight` row implies one row per scale companion of the format table (formats.COMPANIONS:
-`X.weight_scale_inv` <-> `Y.scale`), with the weight's split; `Mapped.companion` says which.
+`X.weight_scale_inv` <-> `Y.scale`), with the weight's split; `Mapped.companion` says which. A table whose
+checkpoints name a weight's scale otherwise says so with `hf_scale_leaf` (DeepSeek-V4: `X.scale`).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckpttool.formats import COMPANIONS, Companion, with_leaf
 
@@ -69,12 +70,16 @@ class Mapped:
 
 
 class KeyMap:
-    def __init__(self, rows: list[tuple]):
+    def __init__(self, rows: list[tuple], *, hf_scale_leaf: str | None = None):
+        """`hf_scale_leaf`: the leaf these checkpoints give every weight's scale (`X.<leaf>`), where it is
+        not the format table's own (DeepSeek-V4 names it `X.scale` where V3 says `X.weight_scale_inv`)."""
+        companions = COMPANIONS if hf_scale_leaf is None else tuple(replace(c, hf_leaf=hf_scale_leaf)
+                                                                    for c in COMPANIONS)
         self.rows = [KeyRow(*r) for r in rows]
         for r in list(self.rows):
             if r.hf.endswith(".weight") and r.native.endswith(".weight"):
                 self.rows += [KeyRow(with_leaf(r.hf, c.hf_leaf), with_leaf(r.native, c.native_leaf), r.split,
-                                     companion=c, weight=r) for c in COMPANIONS]
+                                     companion=c, weight=r) for c in companions]
         self._by_hf = {_shape_key(r.hf): r for r in self.rows}
         self._by_native = {_shape_key(r.native): r for r in self.rows}
         if len(self._by_hf) != len(self.rows) or len(self._by_native) != len(self.rows):

@@ -9,11 +9,12 @@ from __future__ import annotations
 from ckpttool.errors import InputError
 from ckpttool.families.base import Family
 from ckpttool.families.deepseek import FAMILY as DEEPSEEK
+from ckpttool.families.deepseek_v4 import FAMILY as DEEPSEEK_V4
 from ckpttool.families.dense import FAMILY as DENSE
 from ckpttool.families.gpt_oss import FAMILY as GPT_OSS
 from ckpttool.families.moe import FAMILY as MOE
 
-FAMILIES: tuple[Family, ...] = (DEEPSEEK, DENSE, GPT_OSS, MOE)
+FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GPT_OSS, MOE)
 
 MODEL_TYPES: tuple[str, ...] = tuple(sorted(t for f in FAMILIES for t in f.model_types))
 """every config.json model_type ckpttool reads"""
@@ -25,5 +26,8 @@ def family_for(config: dict, source: object = "config.json") -> Family:
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
+        if isinstance(model_type, str) and model_type in family.refused_types:
+            raise InputError(f"model_type {model_type!r} is not supported: {family.refused_types[model_type]}",
+                             file=source, fix=f"supported: {', '.join(MODEL_TYPES)}")
     raise InputError(f"unsupported model_type {model_type!r}", file=source,
                      fix=f"supported: {', '.join(MODEL_TYPES)}; is config.json from this checkpoint?")

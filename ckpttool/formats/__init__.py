@@ -13,6 +13,9 @@ if a new quant_method names it.
                  NVFP4, MXFP4; compressed_int.py its other integer rows (zero points, INT8, act-order);
                  compressed_config.py which rows its quantization_config declares
   modelopt.py    NVIDIA ModelOpt NVFP4, FP8 per tensor and per channel, MIXED_PRECISION of them
+  gptq.py        GPTQ (gptqmodel, AutoGPTQ): 4/8-bit codes packed along the input dim, zero points, g_idx
+  awq.py         AWQ (autoawq): GEMM and GEMV 4-bit layouts
+  foreign.py     other libraries' quant_methods (HQQ, EETQ, torchao, Quark, ...), refused by name
 
 Each dequant transform works on a run of dim-0 rows of its source, so the executor can stream any
 tensor in bounded chunks: `row_align` is the smallest run it can take (an FP8 scale covers 128 rows),
@@ -27,7 +30,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
 
 from ckpttool.errors import InputError
-from ckpttool.formats import compressed, compressed_config, foreign, fp8, modelopt
+from ckpttool.formats import awq, compressed, compressed_config, foreign, fp8, gptq, modelopt
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
 from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
 from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
@@ -43,9 +46,9 @@ COMPANIONS: tuple[Companion, ...] = tuple(dict.fromkeys(f.companion for f in DEQ
 UNDECLARED = (Rule(FP8_BLOCK, "(no quantization_config)"), Rule(MXFP4, "(no quantization_config)"))
 """what a checkpoint without a quantization config may hold (as before configs named them)"""
 HF_QUANT_CONFIG = modelopt.HF_QUANT_CONFIG
-SUPPORTED_METHODS = (*fp8.METHODS, "mxfp4", compressed_config.METHOD, modelopt.METHOD)
-NAMERS = (fp8.named, compressed.named)
-"""each module's `named(name)`: the row a plan's transform name stands for, among those made for a config"""
+SUPPORTED_METHODS = (*fp8.METHODS, "mxfp4", compressed_config.METHOD, modelopt.METHOD, gptq.METHOD, awq.METHOD)
+NAMED = (fp8.named, compressed.named, gptq.named, awq.named)
+"""the modules whose rows are made for a config's parameters: each rebuilds a row from the name a plan records"""
 
 
 class _Rows(Mapping[str, QuantFormat]):
@@ -72,7 +75,7 @@ class _Rows(Mapping[str, QuantFormat]):
 
 
 def _named(name: str) -> QuantFormat | None:
-    return next((row for named in NAMERS if (row := named(name)) is not None), None)
+    return next((row for make in NAMED if (row := make(name)) is not None), None)
 
 
 BY_NAME: Mapping[str, QuantFormat] = _Rows(DEQUANT_FORMATS)
@@ -97,6 +100,10 @@ def declared_rules(quant: object, hf_quant: dict | None, config_path: object,
         return (Rule(MXFP4, "quantization_config"),)
     if method == compressed_config.METHOD:
         return compressed_config.declared(quant, config_path)
+    if method == gptq.METHOD:
+        return gptq.declared(quant, config_path)
+    if method == awq.METHOD:
+        return awq.declared(quant, config_path)
     if isinstance(method, str) and method in foreign.FOREIGN:
         raise foreign.refusal(method, config_path)
     raise InputError(f"quantization_config quant_method {method!r} is not a format ckpttool reads", file=config_path,

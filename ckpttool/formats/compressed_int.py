@@ -141,27 +141,30 @@ def _expect(shape, want: tuple, what: str, why: str, tensor: str, file) -> None:
                          fix="re-download the checkpoint, or fix config.json's quantization_config if it is wrong")
 
 
-def _check_values(bits: int, group: int):
-    """What a dtype cannot rule out: an unpacked zero point outside the row's bits, a g_idx outside the groups."""
+def _zero_in_range(bits: int):
+    """An unpacked (I8) zero point must be a `bits`-bit integer: no dtype says so."""
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
 
-    def check(whole: dict[str, np.ndarray], shapes: dict[str, tuple]) -> tuple[str, str] | None:
-        z = whole.get("zero")
-        z = z.view(np.int8).reshape(-1) if z is not None and z.dtype.itemsize == 1 else np.zeros(0, np.int8)
+    def check(values: np.ndarray, shapes: dict[str, tuple]) -> str | None:
+        z = values.view(np.int8).reshape(-1)
         bad = z[(z < lo) | (z > hi)]
-        if bad.size:
-            return "zero", f"zero point {int(bad[0])} is outside the {bits}-bit range [{lo}, {hi}]"
-        g = whole.get("g_idx")
-        if g is None or (g == -1).all():
+        return f"zero point {int(bad[0])} is outside the {bits}-bit range [{lo}, {hi}]" if bad.size else None
+    return check
+
+
+def _groups_of(group: int):
+    """An act-order g_idx must put group_size columns in each of the scale's groups (or be unset: -1)."""
+    def check(g: np.ndarray, shapes: dict[str, tuple]) -> str | None:
+        if (g == -1).all():
             return None
         groups = shapes["scale"][-1]
         if g.min() < 0 or g.max() >= groups:
-            return "g_idx", f"g_idx holds {int(g.min() if g.min() < 0 else g.max())}, outside the {groups} groups"
+            return f"g_idx holds {int(g.min() if g.min() < 0 else g.max())}, outside the {groups} groups"
         counts = np.bincount(g.astype(np.int64), minlength=groups)
         if (counts != group).any():
             k = int(np.flatnonzero(counts != group)[0])
-            return "g_idx", (f"g_idx puts {int(counts[k])} columns in group {k}: compressed-tensors reads act-order "
-                             f"groups of exactly group_size {group} columns")
+            return (f"g_idx puts {int(counts[k])} columns in group {k}: compressed-tensors reads act-order groups of "
+                    f"exactly group_size {group} columns")
         return None
     return check
 
@@ -197,10 +200,11 @@ def int_row(storage: str, bits: int, strategy: str, group: int, asym: bool, gidx
             sides.append(Side("zero", Name("weight_zero_point"), ("I32",), BY_ROWS,
                               rows=lambda r0, r1: (r0 // per, -(-r1 // per))))
         else:
-            sides.append(Side("zero", Name("weight_zero_point"), ("I8",), WHOLE if tensor else BY_ROWS, rows=rows))
+            sides.append(Side("zero", Name("weight_zero_point"), ("I8",), WHOLE if tensor else BY_ROWS, rows=rows,
+                              check_values=_zero_in_range(bits) if bits < 8 else None))
     if gidx:
         sides.append(Side("g_idx", Name("weight_g_idx"), ("I32", "I64"), WHOLE, rows=lambda r0, r1: _ALL,
-                          axis=-1))
+                          axis=-1, check_values=_groups_of(group)))
     if storage == "pack":
         sides.append(SHAPE)
     sides += [Side(leaf, Name(leaf), read=DROPPED) for leaf in ("input_scale", "input_zero_point")]
@@ -215,8 +219,7 @@ def int_row(storage: str, bits: int, strategy: str, group: int, asym: bool, gidx
         out_shape=(lambda s: (s[0], s[1] * per)) if storage == "pack" else (lambda s: tuple(s)),
         row_align=per if asym and storage == "pack" and not tensor else 1,
         cpu=_cpu(storage, bits, group), cuda=_cuda(storage, bits, group),
-        example=_example(storage, bits, strategy, group, asym, gidx), keepable=False,
-        check_values=_check_values(bits, group))
+        example=_example(storage, bits, strategy, group, asym, gidx), keepable=False)
 
 
 _NAME = re.compile(r"ct_int:(pack|int):(4|8):(?:(group)(\d+)|(channel|tensor)):(sym|asym)(:gidx)?")

@@ -83,6 +83,9 @@ class Side:
     """what the bytes mean where the dtype does not say: "e8m0" (a U8 biased power-of-two exponent)"""
     positive: bool = False
     """a scale's values must be > 0, not only finite (DeepSeek's FP8 blocks)"""
+    check_values: Callable[[np.ndarray, dict[str, tuple]], str | None] | None = None
+    """what is wrong with a WHOLE side's values, given every read side's shape by role (None: nothing): integer
+    sides a kernel indexes with (GPTQ's g_idx), checked once per task before any chunk"""
 
     @property
     def optional(self) -> bool:
@@ -156,11 +159,6 @@ class QuantFormat:
     """a smallest valid chunk on a device: warms a kernel up before the real data arrives"""
     check_global: Callable[[float], str | None] = lambda g: None
     """what is wrong with a "global" side's value (None: nothing)"""
-    check_values: Callable[[dict[str, np.ndarray], dict[str, tuple]], tuple[str, str] | None] = \
-        lambda whole, shapes: None
-    """(the WHOLE sides' values by role, every read side's shape by role) -> None, or (role, what is wrong) where
-    a side's values break a rule its dtype and shape cannot show (a group index outside the groups): run once per
-    tensor, before any chunk"""
     cpu_compiled: bool = True
     """`cpu` runs compiled loops where they are built (kernels/native, numba); False: numpy's only, counted as
     `chunks_by_cpu_loops_numpy_only` in a run's timing (every row has compiled loops now)"""

@@ -25,6 +25,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
 
 from ckpttool.errors import InputError, OutputError
+from ckpttool.hub import guard
 from ckpttool.hub.client import HUB_FAILURES, SilentTqdm, translate
 from ckpttool.io.layout import name_problem
 from ckpttool.io.safetensors import printable, read_header
@@ -149,6 +150,8 @@ def _download(repo_id: str, dst: Path | None, revision: str | None, allow: list[
     except HUB_FAILURES as exc:
         raise translate(exc, where, offline) from exc
     commit = resolved.resolved
+    if listing is not None:  # each transfer stops at the listed size and gives up when it makes no progress
+        guard.expect(repo_id, {n: f.size for n, f in listing.items()})
     root = local_dir or Path(hf_constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") \
         / "snapshots" / commit
     if listing is not None:
@@ -164,7 +167,7 @@ def _download(repo_id: str, dst: Path | None, revision: str | None, allow: list[
     try:
         root = Path(snapshot_download(repo_id, revision=resolved, local_dir=local_dir, allow_patterns=allow,
                                       ignore_patterns=ignore, max_workers=max_workers, token=token,
-                                      local_files_only=offline, tqdm_class=tqdm_class))
+                                      local_files_only=offline, tqdm_class=tqdm_class, headers=guard.IDENTITY))
     except HUB_FAILURES as exc:
         missing = [n for n in wanted if not (root / n).is_file()] if listing is not None else []
         raise translate(exc, where, offline, missing=missing, root=root) from exc
@@ -177,7 +180,7 @@ def _download(repo_id: str, dst: Path | None, revision: str | None, allow: list[
                              file=root / name, fix="re-run with network access (unset HF_HUB_OFFLINE)")
         try:
             hf_hub_download(repo_id, name, revision=commit, local_dir=local_dir, force_download=True, token=token,
-                            tqdm_class=tqdm_class)
+                            tqdm_class=tqdm_class, headers=guard.IDENTITY)
         except HUB_FAILURES as exc:
             raise translate(exc, where, offline, missing=[name], root=root) from exc
 

@@ -9,6 +9,7 @@ the plan hash, which must equal the hash of planning the downloaded copy.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,12 +20,15 @@ from huggingface_hub import constants as hf_constants
 from huggingface_hub.utils import build_hf_headers, filter_repo_objects, get_session, hf_raise_for_status
 
 from ckpttool.errors import InputError
+from ckpttool.hub import guard
 from ckpttool.hub.client import HUB_FAILURES, translate
 from ckpttool.hub.download import RemoteFile, _validated, is_repo_id
 from ckpttool.io.checkpoint import MAX_CONFIG_BYTES, MAX_INDEX_BYTES, Checkpoint
 from ckpttool.io.layout import INDEX_NAME
 from ckpttool.io.safetensors import MAX_HEADER_BYTES, SafetensorsFile, header_length, loads_strict_json, parse_header
 
+MAX_HEADERS_BYTES = 1 << 30
+"""all of a repo's headers together, kept in memory while planning (DeepSeek-V3's 163 add up to about 12 MB)"""
 FIRST_RANGE = 100_000  # one request holds the whole header of 97% of hub files (huggingface_hub's figure)
 HEADER_WORKERS = 16
 SIDE_FILES = ("config.json", INDEX_NAME)  # read at plan time; the other side files are fetched with the weights
@@ -43,6 +47,8 @@ class RemoteRepo:
     headers: dict[str, bytes] = field(default_factory=dict)  # file -> its first 8 + header_size bytes
     requests: int = 0
     rate: float | None = None  # bytes/s of a timed range request, when plan measured one
+    header_bytes: int = 0  # announced by the headers fetched so far
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def where(self) -> str:
@@ -52,14 +58,15 @@ class RemoteRepo:
         return hf_hub_url(self.repo_id, name, revision=self.commit, endpoint=hf_constants.ENDPOINT)
 
     def http_headers(self) -> dict[str, str]:
-        return build_hf_headers(token=self.token, library_name="ckpttool")
+        return {**build_hf_headers(token=self.token, library_name="ckpttool"), **guard.IDENTITY}
 
     def get(self, name: str, start: int = 0, end: int | None = None, cap: int | None = None) -> bytes:
-        """Bytes [start, end) of `name` (end None: to its end, at most `cap`), by one range request."""
+        """Bytes [start, end) of `name` (end None: to its end, at most `cap`), by one range request; the
+        listed size and the progress limits hold as for every transfer (hub/guard.py)."""
         headers = self.http_headers()
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        want = (end - start) if end is not None else cap
+        want = (end - start) if end is not None else None if cap is None else cap + 1  # one more: over the cap
         out = bytearray()
         try:
             with get_session().stream("GET", self.url(name), headers=headers,
@@ -96,6 +103,12 @@ class RemoteRepo:
         label = Path(self.where) / name
         head = self.get(name, 0, min(size, FIRST_RANGE))
         total = 8 + header_length(head, size, label, MAX_HEADER_BYTES)
+        with self._lock:
+            self.header_bytes += total
+            if self.header_bytes > MAX_HEADERS_BYTES:
+                raise InputError(f"the repo's safetensors headers announce over {MAX_HEADERS_BYTES} bytes by this "
+                                 "file (real repos: tens of megabytes); nothing more of them is fetched", file=label,
+                                 fix="the repo is corrupt or hostile; report it to the repo's owner")
         if len(head) < total:
             head += self.get(name, len(head), total)
         if len(head) < total:
@@ -117,6 +130,7 @@ def open_repo(repo_id: str, *, revision: str | None = None, allow_patterns: list
         raise translate(exc, where, False) from exc
     listing = _validated({s.rfilename: RemoteFile(s.size, s.lfs.sha256 if s.lfs else None, s.blob_id)
                           for s in info.siblings or []}, f"the hub's listing of {repo_id}")
+    guard.expect(repo_id, {n: f.size for n, f in listing.items()})  # every transfer below stops at these sizes
     wanted = {n: listing[n] for n in filter_repo_objects(listing, allow_patterns=allow_patterns,
                                                          ignore_patterns=ignore_patterns)}
     repo = RemoteRepo(repo_id, revision or "main", info.sha, wanted, token)

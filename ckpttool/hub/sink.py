@@ -9,6 +9,7 @@ import queue
 import threading
 
 from ckpttool import faults
+from ckpttool.hub.guard import TransferRefused
 
 HASH_QUEUE = 3  # pieces of up to 10 MB (huggingface_hub's DOWNLOAD_CHUNK_SIZE) waiting to be hashed
 
@@ -92,6 +93,10 @@ class HashingSink:
         if self.stopping is not None and self.stopping():
             raise Aborted()
         faults.point("fetch")
+        size = self.remote.size
+        if size is not None and self.pos + len(data) > size:  # hub/guard.py cuts the body there first
+            raise TransferRefused(f"the hub sent more than the listed {size} bytes; nothing past them was written",
+                                  fix="check HF_ENDPOINT and any proxy, or report it to the repo's owner")
         self.f.write(data)
         self._take(data)
         self.pos += len(data)

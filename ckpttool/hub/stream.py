@@ -24,6 +24,7 @@ from huggingface_hub.file_download import http_get
 
 from ckpttool.errors import InputError, OutputError
 from ckpttool.execute.staging import Staging, disk_error
+from ckpttool.hub import guard
 from ckpttool.hub.client import HUB_FAILURES, SilentTqdm, translate
 from ckpttool.hub.remote import RemoteCheckpoint, RemoteRepo
 from ckpttool.hub.schedule import most_live, reads, schedule
@@ -43,6 +44,7 @@ class StreamingCheckpoint(RemoteCheckpoint):
         self.fetch_dir = Path(staging_dir) / STREAM_FETCH
         self.max_files = max_files
         self.in_place = {n: p for n in self.files if (p := repo.cached(n)) is not None}
+        guard.expect(repo.repo_id, {n: f.size for n, f in repo.files.items()})  # transfers stop at the listed sizes
         self._cond = threading.Condition()
         self._ready: dict[str, threading.Event] = {}
         self._errors: dict[str, BaseException] = {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import mmap
 import os
 import stat
 import threading
@@ -23,6 +22,7 @@ import numpy as np
 
 from ckpttool.dtypes import itemsize
 from ckpttool.errors import InputError
+from ckpttool.io import mapped
 from ckpttool.io.layout import INDEX_NAME
 from ckpttool.io.safetensors import (
     SafetensorsFile,
@@ -39,6 +39,9 @@ from ckpttool.io.safetensors import (
 
 MAX_INDEX_BYTES = 256 * 1024 * 1024  # DeepSeek-V3's index is ~9 MB for 92k tensors
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
+MAX_TENSORS = 1 << 20
+"""tensors over all of a checkpoint's files: DeepSeek-V3 lists about 92,000 (weights and scales), Kimi-K2 about
+140,000; each costs about 1 KB while planned"""
 FINGERPRINT_SAMPLES, FINGERPRINT_BLOCK = 16, 4096  # 17 reads of 4 KiB per input file: cheap even on a cold disk
 _FIX_INDEX = "the index is corrupt or hostile; re-download model.safetensors.index.json"
 _FIX_CONFIG = "fix or re-download config.json (it must be one JSON object)"
@@ -52,10 +55,6 @@ class SourceTensor:
     info: TensorInfo
 
 
-MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-"""Linux: fill a new mapping's page table entries as it is made (elsewhere 0: each page faults in on first touch)"""
-
-
 class ShardFiles:
     """safetensors files of one directory, by file name: their headers, one shared read-only
     descriptor each, and thread-safe reads of a (file, tensor) (pread: the page cache does the rest).
@@ -65,7 +64,8 @@ class ShardFiles:
     local = True
     """the files are in `root` now (hub.remote.RemoteCheckpoint: headers from the hub, files later)"""
 
-    def __init__(self, root: Path | str, names: tuple[str, ...] | list[str] = ()):
+    def __init__(self, root: Path | str, names: tuple[str, ...] | list[str] = (), *, before_read=None,
+                 notes: list[str] | None = None):
         self.root = Path(root)
         if self.local and not self.root.is_dir():
             raise InputError("checkpoint directory does not exist", file=self.root,
@@ -73,11 +73,22 @@ class ShardFiles:
         self.files: dict[str, SafetensorsFile] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.tensor_count = 0
+        self._before_read = before_read
+        """called once, before the first file is opened for reading (merge: io.listed's hash check)"""
+        self.notes = notes or []
+        """what the plan should say about how these files were read"""
+        mapped.install()  # SIGIO, for the read leases of mapped reads (from the main thread only)
         for fname in names:
             self._add_file(fname)
 
     def _add_file(self, fname: str) -> SafetensorsFile:
         sf = self.files[fname] = self._header(fname)
+        self.tensor_count += len(sf.tensors)
+        if self.tensor_count > MAX_TENSORS:
+            raise InputError(f"the checkpoint's headers list over {MAX_TENSORS} tensors by this file (the largest "
+                             "real checkpoints list about 150,000); planning them would exhaust memory",
+                             file=self.root / fname, fix="the checkpoint is corrupt or hostile; re-download it")
         return sf
 
     def _header(self, fname: str) -> SafetensorsFile:
@@ -95,8 +106,13 @@ class ShardFiles:
         with self._lock:
             fd = self._fds.get(fname)
             if fd is None:
+                check, self._before_read = self._before_read, None
+                if check is not None:
+                    check()
                 fd = self._fds[fname] = os.open(self.root / fname, os.O_RDONLY)
-            return fd
+                mapped.watch(fd, self.root / fname)
+        mapped.check(fd)  # another process began to change it: its next read is an error naming it
+        return fd
 
     def info(self, fname: str, name: str) -> TensorInfo:
         return self.files[fname].tensors[name]
@@ -145,17 +161,18 @@ class ShardFiles:
         On the 16-core device this took a RAM-to-RAM conversion's execute phase from 2.11-2.18 s to 1.90-1.97 s,
         its CPU time from 32-34 to 28-29 s and its wall time to 0.91-0.98x (bench/RESULTS.md). A mapping of the
         whole file instead, released range by range, kept the pages the kernel maps around each range's ends
-        (fault-around): its RSS grew with the model. What a mapping costs: a file truncated while it is read
-        kills the process with SIGBUS instead of naming the file (the journal still lets --resume finish)."""
-        fd = self.fd(fname)
-        size = os.fstat(fd).st_size
-        if start + nbytes > size:
-            raise InputError(f"unexpected end of file at byte {size}", file=self.root / fname,
-                             fix="the file changed or was truncated while reading; re-download it")
-        first = start - start % mmap.ALLOCATIONGRANULARITY
-        window = mmap.mmap(fd, start + nbytes - first, flags=mmap.MAP_SHARED | MAP_POPULATE, prot=mmap.PROT_READ,
-                           offset=first)
-        return np.frombuffer(window, np.uint8, nbytes, start - first)
+        (fault-around): its RSS grew with the model. A file is mapped only under a read lease, so another
+        process truncating it cannot end this one with SIGBUS; without one it is read with pread (io/mapped.py)."""
+        return mapped.mapped_range(self.fd(fname), self.root / fname, start, nbytes)
+
+    def reopen(self) -> None:
+        """In a forked child: descriptors of its own, for leases of its own (a lease belongs to one open file
+        description, and the parent's stay with the parent)."""
+        mapped.forget_inherited()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def paths(self) -> list[Path]:
         return [self.root / fname for fname in sorted(self.files)]
@@ -180,6 +197,7 @@ class ShardFiles:
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
+                mapped.forget(fd)
                 os.close(fd)
             self._fds.clear()
 

@@ -26,6 +26,13 @@ from ckpttool.errors import _BAD_NAME_CATEGORIES, InputError, _escape, printable
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's own cap (decimal, not 100 MiB)
 MAX_ELEMENTS = 1 << 48  # far above any real tensor; bounds every dimension and the shape's product
 MAX_NDIM = 64  # real tensors have <= 8 dims; a longer shape list is a corrupt header, not a tensor
+MAX_TENSORS_PER_FILE = 1 << 17
+"""a header listing more is refused before it is parsed: real files hold at most tens of thousands (an FP8
+MoE shard of 50 GB with weights and scales per expert, ~40k), and 10^6 tiny tensors took 29 s and 1.0 GB
+of RSS to parse (issue 39); at this cap the parse takes about 1-2 s and 130 MB on the 2-core box"""
+MAX_HEADER_ITEMS = 16 * MAX_TENSORS_PER_FILE
+"""JSON values in a header (bounded from above by its commas): what else could fill 100 MB of header with
+millions of objects (metadata, long shapes) is refused before parsing too"""
 # Unicode categories rejected in tensor names: controls (C0, DEL, C1), format characters (bidi
 # overrides, zero-width, BOM), lone surrogates (unencodable; would break every writer) and the
 # line/paragraph separators. Names are ASCII in every published checkpoint.
@@ -73,17 +80,27 @@ class _NonFinite(ValueError):
     pass
 
 
-def _keep_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    # Recorded rather than raised here: the hook cannot see where in the document it is, and the
-    # error should name the tensor whose entry repeats a key (see _find_duplicate).
-    obj: dict = {}
-    for key, value in pairs:
-        if key in obj:
-            obj = _DupDict(obj)
-            obj.duplicate = key
-            break
-        obj[key] = value
-    return obj
+def _duplicates_recorder(found: list) -> Callable[[list], dict]:
+    """The object_pairs_hook of one parse: a dict at C speed, and where a key repeats a _DupDict, noted in
+    `found`. Recorded rather than raised here: the hook cannot see where in the document it is, and the
+    error should name the tensor whose entry repeats a key (see _find_duplicate)."""
+
+    def hook(pairs: list[tuple[str, object]]) -> dict:
+        obj = dict(pairs)
+        if len(obj) == len(pairs):
+            return obj
+        seen: set = set()
+        obj = _DupDict()
+        for key, value in pairs:
+            if key in seen:
+                obj.duplicate = key
+                break
+            seen.add(key)
+            obj[key] = value
+        found.append(obj)
+        return obj
+
+    return hook
 
 
 def _find_duplicate(doc: object) -> tuple[tuple[str, ...], str] | None:
@@ -122,7 +139,8 @@ def loads_strict_json(text: str | bytes, *, file: object, what: str, fix: str,
             text = text.decode("utf-8")
         if text.startswith("\ufeff"):
             raise InputError(f"{what} starts with a byte-order mark (BOM), which JSON forbids", file=file, fix=fix)
-        doc = json.loads(text, object_pairs_hook=_keep_duplicates, parse_constant=_reject_constant,
+        found: list = []
+        doc = json.loads(text, object_pairs_hook=_duplicates_recorder(found), parse_constant=_reject_constant,
                          parse_float=_finite_float)
     except UnicodeDecodeError as exc:
         raise InputError(f"{what} is not UTF-8 (bad byte at offset {exc.start})", file=file, fix=fix) from None
@@ -131,7 +149,7 @@ def loads_strict_json(text: str | bytes, *, file: object, what: str, fix: str,
     except ValueError as exc:  # JSONDecodeError, _NonFinite, int digit limit
         reason = str(exc).split(";")[0][:200]  # drop CPython's "use sys.set_int_max_str_digits()" advice
         raise InputError(f"{what} is not valid JSON: {reason}", file=file, fix=fix) from None
-    found = _find_duplicate(doc)
+    found = _find_duplicate(doc) if found else None  # the walk only where a key did repeat
     if found is not None:
         path, key = found
         where = f" inside {' -> '.join(_short(k, 60) for k in path)}" if path else ""
@@ -142,6 +160,8 @@ def loads_strict_json(text: str | bytes, *, file: object, what: str, fix: str,
 
 
 def _is_printable_name(name: str) -> bool:
+    if name.isascii():  # every published checkpoint's names: printable ASCII is exactly 0x20-0x7e
+        return name.isprintable() and bool(name)
     return bool(name) and all(unicodedata.category(c) not in _BAD_NAME_CATEGORIES for c in name)
 
 
@@ -235,6 +255,7 @@ def parse_header(raw: bytes, size: int, path: Path) -> SafetensorsFile:
     if not raw.startswith(b"{"):  # every writer emits '{' first; a BOM or leading junk means another format
         raise InputError(f"header does not start with '{{' (starts with {_short(raw[:8])})", file=path,
                          fix=_REDOWNLOAD)
+    _check_bulk(raw, path)
     header = loads_strict_json(raw, file=path, what="header", fix=_REDOWNLOAD, tensor_at=_header_tensor_at)
     if not isinstance(header, dict):
         raise InputError(f"header is a JSON {type(header).__name__}, not an object", file=path, fix=_REDOWNLOAD)
@@ -253,6 +274,21 @@ def parse_header(raw: bytes, size: int, path: Path) -> SafetensorsFile:
         tensors[name] = _parse_entry(name, entry, data_start, path)
     _check_layout(tensors, data_start, size, path)
     return SafetensorsFile(path=path, header_size=header_size, tensors=tensors, metadata=metadata)
+
+
+def _check_bulk(raw: bytes, path: Path) -> None:
+    """Refuse, before parsing, a header whose parse alone would take seconds and gigabytes. Both counts are
+    upper bounds found at memchr speed: every tensor entry holds one `"data_offsets"` key (the same bytes in a
+    string would be escaped), and every JSON value but the first in a container follows a comma."""
+    tensors = raw.count(b'"data_offsets"')
+    if tensors > MAX_TENSORS_PER_FILE:
+        raise InputError(f"header lists {tensors} tensors, over the {MAX_TENSORS_PER_FILE} one file may hold "
+                         "(real checkpoints hold at most tens of thousands per file); it was not parsed", file=path,
+                         fix="the file is corrupt or hostile: re-download it, or re-save the model in more files")
+    items = raw.count(b",")
+    if items > MAX_HEADER_ITEMS:
+        raise InputError(f"header holds about {items} JSON values, over the {MAX_HEADER_ITEMS} a header of "
+                         f"{MAX_TENSORS_PER_FILE} tensors could need; it was not parsed", file=path, fix=_REDOWNLOAD)
 
 
 def _header_tensor_at(path: tuple[str, ...], key: str) -> str | None:

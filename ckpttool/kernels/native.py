@@ -46,6 +46,9 @@ _SIGNATURES = {
        for t in ("u16", "u32") for kind in ("bytes", "int8", "nibbles")},
     **{f"ckpttool_window_{kind}_gidx_{t}": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], None)
        for t in ("u16", "u32") for kind in ("bytes", "int8", "nibbles")},
+    **{f"ckpttool_packed_cols_{t}": ([_P, _I64, _I64, _I64, _I64, ctypes.c_int32, _P, _I64, _P, _P, _P, _P, _I64], None)
+       for t in ("u16", "u32")},  # kernels/packed.py (GPTQ, AWQ), which checks their arguments
+    **{f"ckpttool_packed_rows_{t}": ([_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64], None) for t in ("u16", "u32")},
 }
 _SUFFIX = {np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32", np.dtype(np.uint64): "u64"}
 

@@ -23,6 +23,7 @@ from ckpttool.model.parallel import Linear
 
 _FLOAT_FILE_DTYPES = {"BF16", "F16", "F32"}
 _FP8_FILE_DTYPES = {"F8_E4M3"}
+_INT_FILE_DTYPES = {"I64", "I32", "I16", "I8", "U8"}  # integer tables (DeepSeek-V4's tid2eid: I32 on the hub, I64 from transformers)
 MAX_LISTED = 8
 
 
@@ -111,6 +112,9 @@ def check_tensors(params: dict[str, nn.Parameter], found: dict[str, tuple[str, T
         if tuple(info.shape) != tuple(param.shape):
             problems.append((file_name, f"tensor {file_name!r} has shape {list(info.shape)}, "
                                         f"the model expects {list(param.shape)}"))
+        elif not param.dtype.is_floating_point:
+            if info.dtype not in _INT_FILE_DTYPES:
+                problems.append((file_name, f"tensor {file_name!r} is {info.dtype}, the model expects integers"))
         elif param.dtype == torch.float8_e4m3fn and info.dtype not in _FP8_FILE_DTYPES:
             problems.append((file_name, f"tensor {file_name!r} is {info.dtype}, but config.json declares FP8 "
                                         "weights (quantization_config)"))

@@ -27,7 +27,7 @@ class Spec:
     dequant: bool = False
     out_dtype: str = "BF16"
     mp: int | None = None  # None: HF layout (input file names, index); N: model{i}-mp{N}.safetensors
-    keep_mtp: bool = False
+    keep_mtp: bool | None = False  # None: as the layout's reference has them (HF: kept; mp: Family.mtp_in_mp)
     arch: str = "auto"  # a recipe may pin the model_type it was written for
     quantize: str | None = None  # fp8_block | int8 | int4: quantize linear weights (plan/quantize.py)
     group_size: int = 128  # int4 group size
@@ -70,7 +70,8 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     notes = [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
 
     mtp = [t for t in tensors if family.is_mtp_tensor(cfg, t.name)]
-    if mtp and not spec.keep_mtp:
+    keep_mtp = spec.keep_mtp if spec.keep_mtp is not None else spec.mp is None or family.mtp_in_mp
+    if mtp and not keep_mtp:
         dropped = {t.name for t in mtp}
         tensors = [t for t in tensors if t.name not in dropped]
         notes.append(f"dropped {len(dropped)} MTP tensors (keep them with --keep-mtp)")
@@ -86,7 +87,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         if spec.mp is not None and spec.quantize != "fp8_block":
             raise PlanError(f"{spec.quantize} output is HF layout only", fix="drop the shard stage, or use fp8_block")
         n_before = len(tensors)
-        tensors = quantize_stage.quantize(tensors, family, spec.quantize, spec.group_size,
+        tensors = quantize_stage.quantize(tensors, family, cfg, spec.quantize, spec.group_size,
                                           {t.name: str(ckpt.root / t.file) for t in tensors})
         notes.append(f"quantized {len(tensors) - n_before} weights to {spec.quantize}")
 
@@ -103,7 +104,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         fmt = "mp"
 
     config = rewrite_config(ckpt.config, dequant_to=spec.out_dtype if spec.dequant else None,
-                            mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not spec.keep_mtp,
+                            mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not keep_mtp,
                             explicit=family.explicit_config, source=ckpt.root / "config.json")
     if spec.quantize is not None:
         config = quantized_config(config, spec.quantize, spec.group_size)

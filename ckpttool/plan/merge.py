@@ -22,6 +22,7 @@ from ckpttool.families.keymap import EXPERT
 from ckpttool.families.table import family_for
 from ckpttool.io.checkpoint import ShardFiles, read_config
 from ckpttool.io.layout import find_mp, mp_file
+from ckpttool.io.listed import Listed
 from ckpttool.io.safetensors import SafetensorsFile
 from ckpttool.kernels.fp8 import scale_shape
 from ckpttool.plan.build import input_fingerprints
@@ -38,9 +39,15 @@ class MergeSpec:
     label = "merging"
 
     def open(self, src: Path) -> ShardFiles:
+        """The shards, held to the manifest beside them (io/listed.py): names, sizes and side files now, each
+        shard's hash before its first byte is read."""
         src = Path(src)
         mp = find_mp(src)  # which also says so when src is not a directory
-        return ShardFiles(src, [mp_file(r, mp) for r in range(mp)])
+        names = [mp_file(r, mp) for r in range(mp)]
+        listed = Listed(src, names + ["config.json"])
+        if listed.manifest is not None:
+            listed.check(["config.json"] + [n for n in files_to_copy(src) if n in listed.manifest["files"]])
+        return ShardFiles(src, names, before_read=lambda: listed.check(names), notes=[listed.note])
 
     def plan(self, shards: ShardFiles) -> Plan:
         return plan_merge(shards, max_shard_bytes=self.max_shard_bytes)
@@ -77,7 +84,7 @@ def plan_merge(shards: ShardFiles, *, max_shard_bytes: int) -> Plan:
                for hf in sorted(pieces, key=_natural)]
     files = _hf_files(tensors, max_shard_bytes)
     copies = sorted(set(files_to_copy(src)) | {"config.json"})
-    notes = [f"merged {mp} ranks into {len(tensors)} HF tensors"]
+    notes = [f"merged {mp} ranks into {len(tensors)} HF tensors", *shards.notes]
     return Plan(src=str(src), files=files, inputs=input_fingerprints(shards), format="hf",
                 index=hf_index(files) if len(files) > 1 else None, config=None, copies=copies, notes=notes)
 

@@ -33,7 +33,7 @@ from ckpttool.plan.types import TensorPlan
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
-def quantize(tensors: list[TensorPlan], family: Family, fmt: str, group_size: int = 128,
+def quantize(tensors: list[TensorPlan], family: Family, cfg, fmt: str, group_size: int = 128,
              files_of: dict[str, str] | None = None) -> list[TensorPlan]:
     if fmt not in QUANTIZE_FORMATS:
         raise PlanError(f"unknown quantize format {fmt!r}", fix=f"use one of {', '.join(QUANTIZE_FORMATS)}")
@@ -42,7 +42,7 @@ def quantize(tensors: list[TensorPlan], family: Family, fmt: str, group_size: in
     files_of = files_of or {}
     out = []
     for t in tensors:
-        if not family.quantizable(t.name):
+        if not family.quantizable(cfg, t.name):
             out.append(t)
             continue
         file = files_of.get(t.source)

@@ -112,6 +112,28 @@ class DestinationLock:
         self.fd = -1
 
 
+def snapshot(dst: Path) -> dict[str, list[int]]:
+    """DST's top-level entries as the run begins (name -> [device, inode, size, mtime_ns]): what publish may
+    replace (with --overwrite, an earlier output). Anything else there at publish was put there during the
+    run by someone else, and is never replaced (publish.py)."""
+    out = {}
+    try:
+        names = os.listdir(dst)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if name != PARTIAL_DIR:
+            try:
+                out[name] = identity(os.lstat(dst / name))
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
 def existing_ancestor(path: Path) -> Path:
     """`path`, or its nearest parent that exists: where a DST that is not made yet will live."""
     path = Path(path)
@@ -125,12 +147,28 @@ def free_space(dst: Path) -> int:
     return shutil.disk_usage(existing_ancestor(dst)).free
 
 
-def check_free_space(dst: Path, needed: int) -> None:
+def allocated(folder: Path) -> int:
+    """Bytes allocated to the files under `folder` (0 where there is none), links not followed."""
+    total = 0
+    for top, _, files in os.walk(folder, followlinks=False):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(top, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def check_free_space(dst: Path, needed: int, *, what: str = "the output") -> None:
     probe = existing_ancestor(dst)
     free = shutil.disk_usage(probe).free
     if free < needed:
-        raise OutputError(f"needs {needed / 2**30:.2f} GiB free, only {free / 2**30:.2f} GiB available", file=probe,
+        raise OutputError(f"needs {_size(needed)} free for {what}, only {_size(free)} available", file=probe,
                           fix="free disk space or choose another output filesystem")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 1 << 30 else f"{n / 2**20:.1f} MiB"
 
 
 def already_complete(dst: Path, plan_hash: str, resume: bool) -> bool:

@@ -4,47 +4,58 @@ not complete; a publish interrupted at any point continues with --resume."""
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import shutil
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckpttool import __version__, faults
+from ckpttool.execute.osutil import rename_noreplace
 from ckpttool.execute.staging import Staging, atomic_write, fsync_path
-from ckpttool.errors import CkptError, InputError
+from ckpttool.errors import CkptError, InputError, OutputError
 from ckpttool.io.hashing import ALGORITHM, file_digest
 from ckpttool.io.layout import (INDEX_NAME, MANIFEST, check_output_names, is_own_regular_file, manifest_digest,
                                 name_problem, read_manifest)
 from ckpttool.io.safetensors import printable
+from ckpttool.publish.destination import identity
 
 
 def publish(staging: Staging, src: Path, *, overwrite: bool, hash_workers: int = 8) -> dict:
-    """Move finished files into place, then config/index/copies, then the manifest, last."""
+    """Move finished files into place, then config/index/copies, then the manifest, last. Nothing is put
+    over a file someone else created in DST during the run (`_may_replace`)."""
     plan, dst = staging.plan, staging.dst
     check_output_names([f.name for f in plan.files], plan.copies, source=dst)
     digests = staging.saved_digests()  # hashed while written, by this or another rank
     for f in plan.files:
         if f.name in staging.published:
             continue
+        if not (staging.dir / f.name).exists() and _moved_here(dst / f.name, f.size, digests.get(f.name)):
+            staging.mark_published(f.name)  # moved by a publish killed before it could journal so
+            continue
         fsync_path(staging.dir / f.name)  # written by this or another rank's process
         faults.point("publish")
-        os.replace(staging.dir / f.name, dst / f.name)
+        replace = _may_replace(staging, f.name)
+        try:
+            (os.replace if replace else rename_noreplace)(staging.dir / f.name, dst / f.name)
+        except FileExistsError:
+            raise _not_ours(dst / f.name) from None
         staging.mark_published(f.name)
-    staging.close()
     aux = []
     if plan.config is not None:
-        atomic_write(dst / "config.json", (json.dumps(plan.config, indent=2) + "\n").encode())
+        _write(staging, "config.json", (json.dumps(plan.config, indent=2) + "\n").encode())
         aux.append("config.json")
     if plan.index is not None:
-        atomic_write(dst / INDEX_NAME, (json.dumps(plan.index, indent=2) + "\n").encode())
+        _write(staging, INDEX_NAME, (json.dumps(plan.index, indent=2) + "\n").encode())
         aux.append(INDEX_NAME)
     for name in plan.copies:
         faults.point("publish")
         source = Path(src) / name
         copied = not os.path.islink(dst / name) and (dst / name).is_file()
         if os.path.exists(source) or not copied:  # else an interrupted publish copied it before it went
-            atomic_write(dst / name, copy_from=source)  # streamed, never read whole
+            _write(staging, name, copy_from=source)  # streamed, never read whole
         aux.append(name)
     names = [f.name for f in plan.files] + aux
     with ThreadPoolExecutor(hash_workers) as pool:  # files finished in an earlier run, and aux files
@@ -58,12 +69,56 @@ def publish(staging: Staging, src: Path, *, overwrite: bool, hash_workers: int =
         "files": {n: {"size": (dst / n).stat().st_size, ALGORITHM: digests[n]} for n in names},
     }
     faults.point("manifest")
-    atomic_write(dst / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    _write(staging, MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    staging.close()
     if previous:  # --overwrite: files of an earlier ckpttool run that this one did not produce
         remove_stale(dst, previous["files"], keep=set(names))
     fsync_path(dst)
     shutil.rmtree(staging.dir)
     return manifest
+
+
+def _moved_here(path: Path, size: int, digest: str | None) -> bool:
+    return digest is not None and is_own_regular_file(path, size) and file_digest(path) == digest
+
+
+def _write(staging: Staging, name: str, data: bytes | None = None, *, copy_from: Path | None = None) -> None:
+    """A side file of the output (config, index, a copy, the manifest) into DST, journalled as published."""
+    path = staging.dst / name
+    same = (lambda: path.read_bytes() == data) if data is not None else (lambda: filecmp.cmp(path, copy_from, False))
+    try:
+        atomic_write(path, data, copy_from=copy_from, replace=_may_replace(staging, name, same))
+    except FileExistsError:
+        raise _not_ours(path) from None
+    staging.mark_published(name)
+
+
+def _may_replace(staging: Staging, name: str, same=None) -> bool:
+    """Whether publish may put `name` over what DST holds under it: nothing there (False: placed so that a
+    file appearing meanwhile is not replaced either), or a file this run published (an interrupted publish),
+    or one that was there unchanged when the run began (an earlier output, with --overwrite), or one holding
+    exactly the bytes to be written (`same`: an older version's interrupted publish). Anything else was
+    created during the run by someone else: refused, never replaced."""
+    path = staging.dst / name
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if name in staging.published or identity(st) == staging.dst_before.get(name):
+        return True
+    try:
+        if same is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and same():
+            return True
+    except OSError:
+        pass
+    raise _not_ours(path)
+
+
+def _not_ours(path: Path) -> OutputError:
+    return OutputError(f"{printable(path.name)} appeared in the output directory during the run; ckpttool never "
+                       "replaces a file it did not write", file=path,
+                       fix="move that file out of the output directory, then rerun the same command with --resume "
+                           "(the finished output waits in DST/.ckpttool-partial)")
 
 
 def _previous_manifest(dst: Path) -> dict | None:

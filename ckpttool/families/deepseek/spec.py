@@ -156,7 +156,7 @@ class DeepseekConfig:
         raw = with_defaults(raw)
         with config_fields(source):
             model_type = raw["model_type"]
-            return cls(
+            cfg = cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=int(raw["hidden_size"]),
@@ -181,6 +181,10 @@ class DeepseekConfig:
                 index_head_dim=int(raw["index_head_dim"]) if model_type == "deepseek_v32" else 0,
                 mlp_layer_types=_mlp_layer_types(raw, source) if model_type == "deepseek_v32" else None,
             )
+        if cfg.n_routed_experts and not 0 < cfg.num_experts_per_tok <= cfg.n_routed_experts:
+            raise InputError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) is not in 1..{cfg.n_routed_experts} "
+                             "(n_routed_experts)", file=source, fix="use the config.json published with the checkpoint")
+        return cfg
 
     def is_moe_layer(self, layer: int) -> bool:
         if self.mlp_layer_types is not None and layer < len(self.mlp_layer_types):

@@ -206,6 +206,9 @@ class GptOssConfig:
                              file=source)
         if bad := set(self.layer_types) - {"sliding_attention", "full_attention"}:
             raise InputError(f"unknown layer_types {sorted(bad)}", file=source)
+        if not 0 < self.num_experts_per_tok <= self.num_local_experts:
+            raise InputError(f"num_experts_per_tok ({self.num_experts_per_tok}) is not in 1..{self.num_local_experts} "
+                             "(num_local_experts)", file=source, fix="use the config.json published with the checkpoint")
         for name, size in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
             if size % VALUES_PER_BLOCK:
                 raise InputError(f"{name} ({size}) is not a multiple of the MXFP4 block ({VALUES_PER_BLOCK})",

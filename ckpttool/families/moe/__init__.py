@@ -27,4 +27,5 @@ FAMILY = Family(
     verifier=_verifier,
     mtp_config_key="num_nextn_predict_layers",
     explicit_config=spec.explicit_config,
+    quantize=True,
 )

@@ -29,7 +29,7 @@ class MoeArgs(ConfigArgs):
     @classmethod
     def from_hf_config(cls, raw: dict, source: object = "config.json") -> "MoeArgs":
         cfg = MoeConfig.from_dict(raw, source)
-        rope = read_rope(raw, source, default_theta=cfg.flavor.default_theta, types=ROPE_TYPES)
+        rope = read_rope(raw, source, default_theta=cfg.type.default_theta, types=ROPE_TYPES)
         inv_freq, scaling = rope_inv_freq(rope, cfg.head_dim, cfg.partial_rotary_factor)
         shape = DecoderShape(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
@@ -39,7 +39,7 @@ class MoeArgs(ConfigArgs):
             sliding_windows=sliding_windows(raw, cfg.num_hidden_layers), tie_word_embeddings=cfg.tie_word_embeddings,
             fp8=declares_fp8_block(raw.get("quantization_config"), source), clip_qkv=cfg.clip_qkv)
         routing = Routing(experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, scoring=cfg.scoring,
-                          correction_bias=cfg.flavor.correction_bias is not None, groups=cfg.n_group,
+                          correction_bias=cfg.type.correction_bias is not None, groups=cfg.n_group,
                           topk_groups=cfg.topk_group, normalize=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
         return cls(cfg=cfg, shape=shape, routing=routing, eos_token_ids=eos_ids(raw))
 
@@ -52,7 +52,7 @@ class MoeTransformer(Decoder):
             if not c.is_moe_layer(layer):
                 return FeedForward(c.hidden_size, c.intermediate_size, dtype, fp8, ctx=ctx)
             return MoE(args.routing, c.hidden_size, c.expert_intermediate_size, ctx, dtype, fp8,
-                       shared_inter=c.shared_intermediate_size, shared_gate=c.flavor.shared_gate)
+                       shared_inter=c.shared_intermediate_size, shared_gate=c.type.shared_gate)
 
         super().__init__(args.shape, ctx, dtype, feed_forward)
         self.args = args

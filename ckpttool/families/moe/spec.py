@@ -9,8 +9,9 @@ and `feed_forward.shared_expert_gate`. The HF names differ by model type (Mixtra
 `block_sparse_moe.experts.E.w1`, the others `mlp.experts.E.gate_proj`), so each type has its own key
 table (`Family.keys(cfg)`).
 
-Each model type's fields are read as its transformers config class reads them, with that class's
-defaults (`CONFIG_DEFAULTS`, held to the installed classes by tests/test_moe.py).
+Each model type's differences are a row of data (types.py): its names, the fields it reads and their
+defaults (held to the installed transformers classes by tests/test_moe.py), its numerics switches. The code
+here reads every type through its row.
 """
 
 from __future__ import annotations
@@ -21,94 +22,28 @@ from ckpttool.errors import InputError, PlanError
 from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, attention_shapes, check_gqa_heads, config_fields,
                                     decoder_shapes, layer_index, mtp_shapes, rope_theta_of, state_fields)
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
-
-
-@dataclass(frozen=True, slots=True)
-class Flavor:
-    """How one model type names and wires the parts every MoE decoder here has."""
-
-    block: str  # the MoE module under each layer: "mlp" or "block_sparse_moe"
-    expert_leaves: tuple[str, str, str]  # HF names of the gate, up and down projections of an expert
-    correction_bias: str | None  # e_score_correction_bias, relative to the block
-    shared: str | None  # the shared expert's module name, if any
-    shared_gate: bool  # Qwen2-MoE's sigmoid gate on the shared expert
-    qk_norm: str  # "none", "head" or "full" (model/decoder.QK_NORMS); GLM's follows use_qk_norm
-    expert_count: tuple[str, ...]  # config fields naming the routed expert count, as the class aliases them
-    default_theta: float
-
-
-_QWEN = ("gate_proj", "up_proj", "down_proj")
-_MIXTRAL = ("w1", "w3", "w2")
-FLAVORS: dict[str, Flavor] = {
-    "qwen2_moe": Flavor("mlp", _QWEN, None, "shared_expert", True, "none", ("num_experts",), 10000.0),
-    "qwen3_moe": Flavor("mlp", _QWEN, None, None, False, "head", ("num_local_experts", "num_experts"), 10000.0),
-    "mixtral": Flavor("block_sparse_moe", _MIXTRAL, None, None, False, "none", ("num_local_experts", "num_experts"),
-                      1000000.0),
-    "olmoe": Flavor("mlp", _QWEN, None, None, False, "full", ("num_experts", "num_local_experts"), 10000.0),
-    "glm4_moe": Flavor("mlp", _QWEN, "gate.e_score_correction_bias", "shared_experts", False, "head",
-                       ("n_routed_experts", "num_local_experts"), 10000.0),
-    "minimax_m2": Flavor("block_sparse_moe", _MIXTRAL, "e_score_correction_bias", None, False, "full",
-                         ("num_local_experts", "num_experts"), 5000000.0),
-}
-MODEL_TYPES = tuple(sorted(FLAVORS))
-
-CONFIG_DEFAULTS: dict[str, dict] = {
-    "qwen2_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
-                      num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16, num_experts=60,
-                      num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
-                      shared_expert_intermediate_size=5632, qkv_bias=True, rms_norm_eps=1e-6,
-                      tie_word_embeddings=False, hidden_act="silu"),
-    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                      num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4, num_local_experts=128,
-                      num_experts_per_tok=8, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
-                      attention_bias=False, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu"),
-    "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-                    rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu"),
-    "olmoe": dict(vocab_size=50304, hidden_size=2048, intermediate_size=2048, num_hidden_layers=16,
-                  num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
-                  norm_topk_prob=False, attention_bias=False, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                  clip_qkv=None, hidden_act="silu"),
-    "glm4_moe": dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
-                     num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, n_routed_experts=128,
-                     num_experts_per_tok=8, n_shared_experts=1, routed_scaling_factor=1.0, n_group=1, topk_group=1,
-                     first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=False, attention_bias=False,
-                     rms_norm_eps=1e-5, tie_word_embeddings=False, num_nextn_predict_layers=1, hidden_act="silu"),
-    "minimax_m2": dict(vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62,
-                       num_attention_heads=48, num_key_value_heads=8, head_dim=128, num_local_experts=256,
-                       num_experts_per_tok=8, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu"),
-}
-"""What each transformers config class holds for a field config.json leaves out."""
-PARTIAL_ROTARY_DEFAULT = {"glm4_moe": 0.5}
-"""partial_rotary_factor where the class sets one (MiniMax-M2 derives it from `rotary_dim`)"""
-HARD_CODED_ROUTING = {"glm4_moe": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
-                      "minimax_m2": {"scoring_func": "sigmoid", "use_routing_bias": True}}
-"""Routing transformers' model of the type hard-codes (its config class has no field for it), as the
-published configs state it: engines read these fields, with other defaults."""
-_ROUTING_FIELDS = ("num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "n_shared_experts",
-                   "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "moe_intermediate_size",
-                   "shared_expert_intermediate_size", "use_qk_norm")
+from ckpttool.families.moe.types import MODEL_TYPES, QWEN_LEAVES, ROUTING_FIELDS, TYPES, MoeType
 
 
 def explicit_config(raw: dict, source: object = "config.json") -> dict:
     """config.json with the routing and rope fields its transformers class defaults (or hard-codes) stated:
     the expert count, top-k and its normalisation, groups, scaling, scoring, the partial rotary share, rope_theta."""
     cfg = MoeConfig.from_dict(raw, source)
-    f, defaults = cfg.flavor, CONFIG_DEFAULTS[cfg.model_type]
-    fields = {k: defaults[k] for k in _ROUTING_FIELDS if k in defaults}
-    if not any(k in raw for k in f.expert_count):
-        fields[f.expert_count[0]] = cfg.num_experts
-    fields.update(HARD_CODED_ROUTING.get(cfg.model_type, {}))
-    if cfg.model_type == "glm4_moe":
+    t = cfg.type
+    fields = {k: t.defaults[k] for k in ROUTING_FIELDS if k in t.defaults}
+    if not any(k in raw for k in t.expert_count):
+        fields[t.expert_count[0]] = cfg.num_experts
+    fields.update(t.hard_coded_routing)
+    if t.partial_rotary is not None:
         fields["partial_rotary_factor"] = cfg.partial_rotary_factor
-    if cfg.model_type == "minimax_m2":
+    if t.rotary_dim:
         fields["rotary_dim"] = round(cfg.partial_rotary_factor * cfg.head_dim)
-    return state_fields(raw, fields, theta=rope_theta_of(raw, f.default_theta))
+    return state_fields(raw, fields, theta=rope_theta_of(raw, t.default_theta))
 
 
 def key_table(model_type: str) -> list[tuple]:
     """(hf template, native template, split[, LINEAR]) rows of one model type."""
-    f = FLAVORS[model_type]
+    f = TYPES[model_type]
     hf, nat = "model.layers.{layer}.", "layers.{layer}."
     norm_split = (Q_HEADS, KV_HEADS) if f.qk_norm == "full" else (None, None)
     attn = [("q_proj", "wq", Q_HEADS), ("k_proj", "wk", KV_HEADS), ("v_proj", "wv", KV_HEADS)]
@@ -127,7 +62,7 @@ def key_table(model_type: str) -> list[tuple]:
     for a, b, split in attn:
         rows += [(f"{hf}self_attn.{a}.weight", f"{nat}attention.{b}.weight", split, LINEAR),
                  (f"{hf}self_attn.{a}.bias", f"{nat}attention.{b}.bias", split)]
-    mlp = list(zip(_QWEN, ("w1", "w3", "w2"), (0, 0, 1)))  # dense layers: always Qwen's names under mlp.
+    mlp = list(zip(QWEN_LEAVES, ("w1", "w3", "w2"), (0, 0, 1)))  # dense layers: always Qwen's names under mlp.
     rows += [(f"{hf}mlp.{a}.weight", f"{nat}feed_forward.{b}.weight", split, LINEAR) for a, b, split in mlp]
     rows += [(f"{hf}{f.block}.experts.{{expert}}.{a}.weight", f"{nat}feed_forward.experts.{{expert}}.{b}.weight",
               EXPERT, LINEAR) for a, b in zip(f.expert_leaves, ("w1", "w3", "w2"))]
@@ -138,7 +73,7 @@ def key_table(model_type: str) -> list[tuple]:
                  for a, b, split in mlp]
     if f.shared_gate:
         rows.append((hf + "mlp.shared_expert_gate.weight", nat + "feed_forward.shared_expert_gate.weight", None))
-    if model_type == "glm4_moe":  # its MTP layers, named as DeepSeek's
+    if f.mtp:  # its MTP layers, named as DeepSeek's
         rows += [(hf + a, nat + b, *rest) for a, b, *rest in (
             ("enorm.weight", "enorm.weight", None), ("hnorm.weight", "hnorm.weight", None),
             ("eh_proj.weight", "eh_proj.weight", None, LINEAR), ("embed_tokens.weight", "embed.weight", 0),
@@ -184,8 +119,8 @@ class MoeConfig:
     rms_norm_eps: float
 
     @property
-    def flavor(self) -> Flavor:
-        return FLAVORS[self.model_type]
+    def type(self) -> MoeType:
+        return TYPES[self.model_type]
 
     @property
     def has_dense_layers(self) -> bool:
@@ -203,49 +138,35 @@ class MoeConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: object = "config.json") -> "MoeConfig":
         model_type = raw.get("model_type")
-        if model_type not in FLAVORS:
+        if model_type not in TYPES:
             raise InputError(f"model_type {model_type!r} is not one of {', '.join(MODEL_TYPES)}", file=source)
-        f = FLAVORS[model_type]
-        d = {**CONFIG_DEFAULTS[model_type], **raw}
+        t = TYPES[model_type]
+        d = {**t.defaults, **raw}
         with config_fields(source):
             heads, hidden, layers = int(d["num_attention_heads"]), int(d["hidden_size"]), int(d["num_hidden_layers"])
             if d.get("hidden_act") != "silu":
                 raise InputError(f"hidden_act {d.get('hidden_act')!r} is not supported", file=source,
                                  fix="ckpttool's MoE model uses SiLU-gated experts")
-            qwen = model_type in ("qwen2_moe", "qwen3_moe")
-            experts = _expert_count(f, raw, d, source)
-            glm, minimax = model_type == "glm4_moe", model_type == "minimax_m2"
+            n_group, topk_group = t.groups(d)
             cfg = cls(
                 model_type=model_type, vocab_size=int(d["vocab_size"]), hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                expert_intermediate_size=int(d["moe_intermediate_size"] if "moe_intermediate_size" in
-                                             CONFIG_DEFAULTS[model_type] else d["intermediate_size"]),
+                intermediate_size=int(d["intermediate_size"]), expert_intermediate_size=int(d[t.expert_width]),
                 num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
-                num_experts=experts, num_experts_per_tok=int(d["num_experts_per_tok"]),
-                sparse_step=int(d["decoder_sparse_step"]) if qwen else 1,
-                dense_layers=frozenset(int(i) for i in d["mlp_only_layers"] or []) if qwen else frozenset(),
-                first_moe_layer=int(d["first_k_dense_replace"]) if glm else 0,
-                shared_intermediate_size=(int(d["shared_expert_intermediate_size"]) if model_type == "qwen2_moe" else
-                                          int(d["n_shared_experts"]) * int(d["moe_intermediate_size"]) if glm else 0),
-                scoring="sigmoid" if glm or minimax else "softmax",
-                norm_topk_prob=True if model_type in ("mixtral", "minimax_m2") else bool(d["norm_topk_prob"]),
-                n_group=int(d["n_group"]) if glm else 1, topk_group=int(d["topk_group"]) if glm else 1,
-                routed_scaling_factor=float(d["routed_scaling_factor"]) if glm else 1.0,
-                qk_norm=("head" if d["use_qk_norm"] else "none") if glm else f.qk_norm,
-                qkv_bias=bool(d["qkv_bias"]) if model_type == "qwen2_moe" else bool(d.get("attention_bias", False)),
-                o_bias=model_type in ("qwen3_moe", "olmoe") and bool(d.get("attention_bias", False)),
-                clip_qkv=float(d["clip_qkv"]) if model_type == "olmoe" and d.get("clip_qkv") is not None else None,
-                partial_rotary_factor=_partial_rotary(model_type, raw, d, source),
-                num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 1))) if glm
-                else 0,
+                num_experts=_expert_count(t, raw, d, source), num_experts_per_tok=int(d["num_experts_per_tok"]),
+                sparse_step=t.sparse_step(d), dense_layers=t.dense_layers(d), first_moe_layer=t.first_moe_layer(d),
+                shared_intermediate_size=t.shared_width(d), scoring=t.scoring, norm_topk_prob=t.norm_topk_prob(d),
+                n_group=n_group, topk_group=topk_group, routed_scaling_factor=t.routed_scaling_factor(d),
+                qk_norm=t.qk_norm if t.qk_norm_switch is None or d[t.qk_norm_switch] else "none", qkv_bias=t.qkv_bias(d), o_bias=t.o_bias(d), clip_qkv=t.clip_qkv(d),
+                partial_rotary_factor=_partial_rotary(t, model_type, raw, d, source),
+                num_nextn_predict_layers=t.mtp_layers(d),
                 tie_word_embeddings=bool(d["tie_word_embeddings"]), rms_norm_eps=float(d["rms_norm_eps"]))
         _check(cfg, source)
         return cfg
 
 
-def _expert_count(f: Flavor, raw: dict, d: dict, source: object) -> int:
+def _expert_count(f: MoeType, raw: dict, d: dict, source: object) -> int:
     """The routed expert count under any of the names the config class aliases; two that disagree are refused."""
     given = {k: int(raw[k]) for k in f.expert_count if raw.get(k) is not None}
     if len(set(given.values())) > 1:
@@ -254,17 +175,17 @@ def _expert_count(f: Flavor, raw: dict, d: dict, source: object) -> int:
     return next(iter(given.values())) if given else int(d[f.expert_count[0]])
 
 
-def _partial_rotary(model_type: str, raw: dict, d: dict, source: object) -> float:
+def _partial_rotary(t: MoeType, model_type: str, raw: dict, d: dict, source: object) -> float:
     """transformers' precedence: rope_parameters' (or rope_scaling's) partial_rotary_factor, then a top-level
     one, then the class default (MiniMax-M2: rotary_dim / head_dim). Types whose transformers model rotates
     the whole head refuse a factor other than 1."""
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    default = PARTIAL_ROTARY_DEFAULT.get(model_type, 1.0)
-    if model_type == "minimax_m2" and d.get("rotary_dim") is not None:
+    default = t.partial_rotary or 1.0
+    if t.rotary_dim and d.get("rotary_dim") is not None:
         default = int(d["rotary_dim"]) / int(d.get("head_dim") or 128)
     factor = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", default))
                    if isinstance(rope, dict) else default)
-    if model_type not in ("glm4_moe", "minimax_m2") and factor != 1.0:
+    if t.partial_rotary is None and not t.rotary_dim and factor != 1.0:
         raise InputError(f"partial_rotary_factor {factor} is not used by transformers' {model_type} model", file=source,
                          fix="remove it from config.json, or report this checkpoint")
     if not 0 < factor <= 1:
@@ -281,8 +202,8 @@ def _check(cfg: MoeConfig, source: object) -> None:
     if cfg.n_group < 1 or cfg.num_experts % cfg.n_group or not 0 < cfg.topk_group <= cfg.n_group:
         raise InputError(f"n_group {cfg.n_group} / topk_group {cfg.topk_group} do not divide {cfg.num_experts} experts",
                          file=source)
-    if cfg.model_type == "glm4_moe" and cfg.shared_intermediate_size <= 0:
-        raise InputError("glm4_moe needs n_shared_experts >= 1 (transformers always builds the shared expert)",
+    if cfg.type.needs_shared and cfg.shared_intermediate_size <= 0:
+        raise InputError(f"{cfg.model_type} needs n_shared_experts >= 1 (transformers always builds the shared expert)",
                          file=source)
 
 
@@ -295,7 +216,7 @@ def _mlp_shapes(shapes: dict, prefix: str, leaves: tuple[str, str, str], hidden:
 
 def hf_tensor_shapes(cfg: MoeConfig, *, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this config holds (weights and biases, no FP8 scales)."""
-    f, h, d = cfg.flavor, cfg.hidden_size, cfg.head_dim
+    f, h, d = cfg.type, cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     n_layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
     shapes, prefixes = decoder_shapes(cfg.vocab_size, h, n_layers, tie_word_embeddings=cfg.tie_word_embeddings)
@@ -312,11 +233,11 @@ def hf_tensor_shapes(cfg: MoeConfig, *, with_mtp: bool = True) -> dict[str, tupl
             for e in range(cfg.num_experts):
                 _mlp_shapes(shapes, f"{b}experts.{e}.", f.expert_leaves, h, cfg.expert_intermediate_size)
             if f.shared:
-                _mlp_shapes(shapes, f"{p}mlp.{f.shared}.", _QWEN, h, cfg.shared_intermediate_size)
+                _mlp_shapes(shapes, f"{p}mlp.{f.shared}.", QWEN_LEAVES, h, cfg.shared_intermediate_size)
             if f.shared_gate:
                 shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
         else:
-            _mlp_shapes(shapes, p + "mlp.", _QWEN, h, cfg.intermediate_size)
+            _mlp_shapes(shapes, p + "mlp.", QWEN_LEAVES, h, cfg.intermediate_size)
         if layer >= cfg.num_hidden_layers:
             mtp_shapes(shapes, p, cfg.vocab_size, h)
     return shapes
