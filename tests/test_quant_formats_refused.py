@@ -138,8 +138,8 @@ def _scheme(**weights):
 
 
 UNKNOWN = {
-    "another quant_method": ("ct_fp8_channel", lambda c: c["quantization_config"].update(quant_method="eetq"),
-                             "quant_method 'eetq' is not a format ckpttool reads"),
+    "another quant_method": ("ct_fp8_channel", lambda c: c["quantization_config"].update(quant_method="qwerty"),
+                             "quant_method 'qwerty' is not a format ckpttool reads"),  # (EETQ & co: by name)
     "another compressed-tensors format": ("ct_int4", lambda c: c["quantization_config"].update(format="marlin-24"),
                                           "format 'marlin-24'"),
     "3-bit packing": ("ct_int4", _scheme(num_bits=3), "3-bit int"),
