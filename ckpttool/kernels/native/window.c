@@ -11,6 +11,12 @@
 
 #include "bf16.h"
 
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)0)
+#endif
+
 
 /* One group's codes in blocks of a constant length (32 bytes, or 16 bytes of nibbles), whatever the group size:
  * with a constant trip count gcc unrolls the block and combines its table words into 16-byte stores; a group-sized
@@ -75,6 +81,9 @@
             const uint8_t *restrict c = codes + i * code_stride;                                        \
             T *restrict o = out + i * out_stride;                                                       \
             for (int64_t g = 0; g < full; g++) {                                                        \
+                /* a group's window is under 64 bytes, and thousands of scales' windows leave L1: fetch   \
+                 * four groups ahead (0.65x -> 0.74x the FP8 gather at 6000 scales, groups of 32) */       \
+                if (g + 4 < full) PREFETCH(tables + w[g + 4]);                                        \
                 const T *restrict tb = tables + w[g];                                                   \
                 const uint8_t *restrict cb = c + g * half;                                              \
                 T *restrict ob = o + g * group;                                                         \
