@@ -26,7 +26,7 @@ from ckpttool.formats.blocks import mxfp4_rows
 from ckpttool.formats.compressed_int import SCALE_DTYPES, SHAPE, int_row
 from ckpttool.formats.row import BY_ROWS, DROPPED, WHOLE, Chunk, Name, QuantFormat, Side
 from ckpttool.kernels import grouped, nvfp4_cpu, scaled_cpu, window
-from ckpttool.kernels.fp8_cpu import NAN_ABOVE, NaNCodes, fp8_values, library_tables
+from ckpttool.kernels.fp8_cpu import NAN_ABOVE, NaNCodes, fp8_library_tables
 from ckpttool.kernels.fp8_gather import nan_row
 
 INT4_GROUPS = (16, 32, 64, 128, 256)
@@ -146,7 +146,7 @@ def _fp8_tables_cuda(c: Chunk, out_dtype, which_of, group: int):
     scale = scale.view(torch.int16).numpy().view(np.uint16) if scale.dtype == torch.bfloat16 else scale.numpy()
     values, index = scaled_cpu.distinct(np.ascontiguousarray(scale))
     sdt = c.side_dtypes["scale"]
-    table = library_tables(fp8_values(c.dtype), scaled_cpu.scale_f32(values, sdt), sdt, dtype_code(out_dtype))
+    table = fp8_library_tables(c.dtype, scaled_cpu.scale_f32(values, sdt), sdt, dtype_code(out_dtype))
     table = np.ascontiguousarray(table).reshape(-1)
     tables = torch.from_numpy(table.view(table.dtype.str.replace("u", "i"))).to(codes.device)
     which = which_of(torch.from_numpy(index).to(codes.device), codes.shape[0])
@@ -175,8 +175,8 @@ def _fp8_blocks(b0: int, b1: int, group: bool) -> QuantFormat:
             raise NaNCodes(bad)
         sdt = c.side_dtypes["scale"]
         values, index = scaled_cpu.distinct(np.ascontiguousarray(c.scale))
-        table = np.ascontiguousarray(library_tables(fp8_values(c.dtype), scaled_cpu.scale_f32(values, sdt), sdt,
-                                                    out)).reshape(-1)
+        table = np.ascontiguousarray(fp8_library_tables(c.dtype, scaled_cpu.scale_f32(values, sdt), sdt,
+                                                        out)).reshape(-1)
         result = np.empty((rows, cols), dtype=table.dtype) if into is None else \
             into.view(table.dtype).reshape(rows, cols)
         if result.size:
@@ -197,7 +197,7 @@ def _fp8_blocks(b0: int, b1: int, group: bool) -> QuantFormat:
 
     return QuantFormat(
         name=f"ct_fp8_group:{b1}" if group else f"ct_fp8_block:{b0}x{b1}",
-        title=f"compressed-tensors float-quantized FP8 " + (f"(group {b1})" if group else f"({b0}x{b1} blocks)"),
+        title="compressed-tensors float-quantized FP8 " + (f"(group {b1})" if group else f"({b0}x{b1} blocks)"),
         values=Name("weight"), value_dtypes=("F8_E4M3",),
         sides=(Side("scale", Name("weight_scale"), SCALE_DTYPES, BY_ROWS, rows=lambda r0, r1: (r0 // b0, -(-r1 // b0))),
                INPUT_SCALE),

@@ -135,6 +135,18 @@ def library_tables(values: np.ndarray, scale: np.ndarray, scale_dtype: str, out_
     return bits
 
 
+def fp8_library_tables(fmt: str, scale: np.ndarray, scale_dtype: str, out_dtype: str) -> np.ndarray:
+    """library_tables of an FP8 format's 256 codes times each scale [S] -> [S, 256]. For F16 scales only the 128
+    codes without the sign bit are multiplied, rounded twice and turned into output bits: the others are their
+    negations, whose products and roundings (to nearest even, overflow included) are the same with the sign flipped,
+    so their bits differ in the sign bit alone. Halves the fp16 tables a per-channel scale makes per row."""
+    if scale_dtype != "F16":
+        return library_tables(fp8_values(fmt), scale, scale_dtype, out_dtype)
+    half = np.ascontiguousarray(library_tables(fp8_values(fmt)[:128], scale, scale_dtype, out_dtype))
+    sign = half.dtype.type(1 << (8 * half.dtype.itemsize - 1))
+    return np.concatenate([half, half ^ sign], axis=-1)
+
+
 def _nan_above(fmt: str) -> int:
     """The largest code magnitude (code & 0x7F) that is not NaN: every code above it is NaN, in both signs."""
     nan = np.isnan(fp8_values(fmt))

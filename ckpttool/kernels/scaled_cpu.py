@@ -26,7 +26,7 @@ import numpy as np
 from ckpttool.dtypes import CARRIERS
 from ckpttool.kernels import native, scaled_numba
 from ckpttool.kernels.fp8_gather import first_nan_row, nan_row
-from ckpttool.kernels.fp8_cpu import INF_BITS, NAN_ABOVE, NaNCodes, fp8_values, library_tables, round_to_bf16, \
+from ckpttool.kernels.fp8_cpu import INF_BITS, NAN_ABOVE, NaNCodes, fp8_library_tables, round_to_bf16, \
     value_tables
 from ckpttool.kernels.mxfp4_cpu import gather_words, pair_words
 
@@ -162,7 +162,7 @@ def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype
     values, which = distinct(scale.reshape(-1))
     distinct_f32 = scale_f32(values, scale_dtype)
     # the library's product: in fp16 first for F16 scales (fp8_cpu.library_tables)
-    tables = np.ascontiguousarray(library_tables(fp8_values(fmt), distinct_f32, scale_dtype, out)).reshape(-1, 256)
+    tables = np.ascontiguousarray(fp8_library_tables(fmt, distinct_f32, scale_dtype, out)).reshape(-1, 256)
     which = np.broadcast_to(which, (rows,)) if which.shape[0] != rows else which
     result = np.empty((rows, cols), dtype=CARRIERS[out])
     if rows and cols:
