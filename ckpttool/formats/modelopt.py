@@ -53,8 +53,14 @@ def rounded_scale(scale: np.ndarray, out: str) -> np.ndarray:
 
 
 def _fp8_cpu(c: Chunk, out: str, into) -> np.ndarray:
-    scale = rounded_scale(c.scale, out)
-    return scaled_cpu.dequant_fp8_rows(c.values, scale.reshape(-1, 1), c.dtype, "F32", out)
+    """The rounded scales in the output's 16-bit dtype where it has one: the same values, and 16-bit scales find
+    their distinct values in one linear pass (F32 ones sort), a table each, as compressed-tensors' rows do."""
+    scale = rounded_scale(c.scale, out).reshape(-1, 1)
+    if out == "BF16":
+        return scaled_cpu.dequant_fp8_rows(c.values, (scale.view(np.uint32) >> 16).astype(np.uint16), c.dtype, out, out)
+    if out == "F16":
+        return scaled_cpu.dequant_fp8_rows(c.values, scale.astype(np.float16), c.dtype, out, out)
+    return scaled_cpu.dequant_fp8_rows(c.values, scale, c.dtype, "F32", out)
 
 
 def _fp8_cuda(c: Chunk, out_dtype):
