@@ -195,10 +195,17 @@ static inline uint16_t f16_bits(float f) {
 
 /* A finite float32 rounded to float16's precision (nearest even), kept in float32, without branches: adding and
  * subtracting c, a power of two 13 binades above x's (at least 2**-1: float16's subnormals are multiples of 2**-24),
- * of x's sign, rounds x to c's ulp; the sign put back keeps -0.0; 65520 and up become infinity. */
+ * of x's sign, rounds x to c's ulp; the sign put back keeps -0.0; 65520 and up become infinity; a NaN stays one
+ * (a NaN scale must reach the kernels' NaN test, not become an infinity). */
 static inline float f16_rounded(float x) {
     uint32_t u, cu, ru;
     memcpy(&u, &x, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) { /* a NaN stays a NaN, as f16_bits then back to float32 make it */
+        ru = (u & 0x80000000u) | 0x7F800000u | ((0x200u | ((u >> 13) & 0x3FFu)) << 13);
+        float r;
+        memcpy(&r, &ru, sizeof r);
+        return r;
+    }
     const uint32_t e = u & 0x7F800000u;
     cu = ((e > 0x38800000u ? e : 0x38800000u) + (13u << 23)) | (u & 0x80000000u);
     float c, r;
