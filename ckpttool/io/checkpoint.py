@@ -29,6 +29,7 @@ from ckpttool.io.safetensors import (
     TensorInfo,
     array_from_bytes,
     check_tensor_name,
+    gguf_error,
     loads_strict_json,
     printable,
     read_bytes,
@@ -273,6 +274,9 @@ class Checkpoint(ShardFiles):
     def _load_glob(self) -> None:
         names = sorted(p.name for p in self.root.glob("*.safetensors"))
         if not names:
+            gguf = sorted(self.root.glob("*.gguf")) or sorted(self.root.glob("*.GGUF"))
+            if gguf:
+                raise gguf_error(gguf[0])
             raise InputError("no *.safetensors files and no index", file=self.root,
                              fix="point at the directory that holds the model's safetensors shards")
         if all(MP_FILE.fullmatch(n) for n in names):  # ranks of one model, whose names repeat across files
