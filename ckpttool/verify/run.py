@@ -393,7 +393,9 @@ def _collect(tmp: Path, procs: list) -> VerifyReport:
         return VerifyReport.from_json(json.loads(result.read_text()))
     for rank, p in enumerate(procs):
         if p.exitcode != 0:
-            log = (tmp / f"rank{rank}.log").read_bytes().decode(errors="replace").strip().splitlines()
+            path = tmp / f"rank{rank}.log"
+            log = path.read_bytes().decode(errors="replace").strip().splitlines() if path.exists() else \
+                ["(it wrote no log: it died before its body started)"]
             tail = "\n    ".join(log[-15:])
             raise CkptError(f"verify rank {rank} exited with code {p.exitcode}:\n    {tail}",
                             fix="report a bug with this output if the checkpoint and options look right")
