@@ -316,5 +316,5 @@ def test_a_rank_that_died_before_its_log_is_named_not_a_missing_file(tmp_path):
     for p in procs:
         p.join()
     (tmp_path / "rank0.log").write_text("rank 0 ran\n")
-    with pytest.raises(CkptError, match=r"verify rank 1 exited with code 3:\n.*wrote no log"):
+    with pytest.raises(CkptError, match=r"verify rank 1 exited with code 3:\n    \(no log\)"):
         _collect(tmp_path, procs)
