@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ckpttool.errors import InputError
@@ -20,9 +19,10 @@ from ckpttool.families.base import ConfigArgs, eos_ids
 from ckpttool.families.kimi_linear.spec import KimiLinearConfig
 from ckpttool.model.decoder import DenseLinear, FeedForward
 from ckpttool.model.delta import ShortConv, delta_rule, l2norm
+from ckpttool.model.lm import VocabParallelLM, causal_mask
 from ckpttool.model.moe import MoE, Routing
 from ckpttool.model.norms import GatedRMSNorm, RMSNorm
-from ckpttool.model.parallel import Linear, ParallelContext, ParallelEmbedding
+from ckpttool.model.parallel import ParallelContext
 
 LATENT_NORM_EPS = 1e-6
 """transformers builds MLA's kv_a_layernorm with KimiLinearRMSNorm's own default eps, not rms_norm_eps"""
@@ -142,24 +142,15 @@ class KimiLayer(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class KimiLinearTransformer(nn.Module):
-    """Vocabulary-parallel embedding and output (all-gathered; tied embeddings reuse the embedding's rows)."""
+class KimiLinearTransformer(VocabParallelLM):
+    """The layers between model/lm.py's embedding and head."""
 
     def __init__(self, args: KimiLinearArgs, ctx: ParallelContext, *, dtype: torch.dtype = torch.bfloat16):
-        super().__init__()
         c = args.cfg
-        self.args, self.ctx, self.dtype = args, ctx, dtype
-        self.tok_embeddings = ParallelEmbedding(ctx, c.vocab_size, c.hidden_size, dtype)
+        super().__init__(ctx, c.vocab_size, c.hidden_size, RMSNorm(c.hidden_size, c.rms_norm_eps, dtype), dtype,
+                         tie_word_embeddings=c.tie_word_embeddings)
+        self.args = args
         self.layers = nn.ModuleList(KimiLayer(args, i, ctx, dtype) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        if not c.tie_word_embeddings:
-            self.output = Linear(c.hidden_size, ctx.split(c.vocab_size, "vocab_size"), dtype)
-        self.max_seq_len = 0
-
-    @property
-    def embed(self) -> ParallelEmbedding:
-        """The name model.generate looks for."""
-        return self.tok_embeddings
 
     def setup_caches(self, batch: int, max_seq_len: int) -> None:
         """Latent caches and zeroed conv and recurrent states: a new sequence starts here."""
@@ -170,17 +161,9 @@ class KimiLinearTransformer(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, all_positions: bool = False) -> torch.Tensor:
         """tokens: [B, S] at positions start_pos.. -> float32 logits [B, V] (last position) or [B, S, V]."""
-        seqlen = tokens.shape[1]
-        end = start_pos + seqlen
-        if end > self.max_seq_len:
-            raise ValueError(f"position {end} exceeds the cache of {self.max_seq_len}; call setup_caches")
+        end = self.positions(tokens, start_pos)
         h = self.tok_embeddings(tokens)
-        allowed = torch.arange(end, device=h.device)[None, :] <= torch.arange(start_pos, end, device=h.device)[:, None]
-        mask = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill(~allowed, float("-inf"))
+        mask = causal_mask(start_pos, end, h)
         for layer in self.layers:
             h = layer(h, start_pos, mask)
-        h = self.norm(h)
-        if not all_positions:
-            h = h[:, -1]
-        weight = self.tok_embeddings.weight if self.args.cfg.tie_word_embeddings else self.output.dense_weight()
-        return self.ctx.all_gather_last_dim(F.linear(h, weight)).float()
+        return self.logits(h, all_positions)
