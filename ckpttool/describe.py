@@ -54,6 +54,18 @@ def _count_leaf(names: set[str], leaf: str) -> int:
     return sum(n.endswith("." + leaf) for n in names)
 
 
+def _ours(path: Path, layout: str, config: dict) -> str | None:
+    """The format of ckpttool's own gpt-fast int8/int4 output (config.json `ckpttool_quantization`, beside a file
+    too), or None: other libraries' `scales` (GPTQ, AWQ) are not ckpttool's int8, whatever their leaf names."""
+    if layout == "file" and (path.parent / "config.json").is_file():
+        try:
+            config = read_config(path.parent / "config.json")
+        except InputError:
+            return None
+    ours = config.get(CKPTTOOL_QUANTIZATION)
+    return ours.get("format") if isinstance(ours, dict) else None
+
+
 def _formats(path: Path, layout: str, entries: list[Entry], config: dict) -> tuple[dict[str, int], str | None, set[str]]:
     """{format title: weights in it} by the rows the config declares (HF layout), or why they are refused, and the
     names of the tensors those weights are made of."""
@@ -91,6 +103,7 @@ def describe(path: Path) -> dict:
     # FP8 block weights: one scale per weight, `X.weight_scale_inv` in HF files, `Y.scale` in mp files
     fp8 = _count_leaf(names, FP8_SCALE.hf_leaf) if layout != "mp" else _count_leaf(names, FP8_SCALE.native_leaf)
     formats, refused, members = _formats(path, layout, entries, config)
+    ours = _ours(path, layout, config)
     return {
         "path": str(path),
         "layout": layout,
@@ -107,8 +120,9 @@ def describe(path: Path) -> dict:
             "unsupported": refused,
             "fp8_block_weights": fp8,
             "mxfp4_blocks": sum(MXFP4.values.base_of(n) is not None for n in names),
-            "int8_weights": _count_leaf(names - members, INT8_SCALES),  # not GPTQ's or AWQ's `scales`
-            "int4_weights": _count_leaf(names, INT4_SCALES_AND_ZEROS),
+            # ckpttool's own gpt-fast outputs only: never GPTQ's or AWQ's `scales`
+            "int8_weights": _count_leaf(names - members, INT8_SCALES) if ours == "int8" else 0,
+            "int4_weights": _count_leaf(names - members, INT4_SCALES_AND_ZEROS) if ours == "int4" else 0,
         },
         "groups": [{"pattern": p, "count": g["count"], "dtypes": sorted(g["dtypes"]),
                     "shapes": [list(s) for s in sorted(g["shapes"])], "bytes": g["bytes"]}
