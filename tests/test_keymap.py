@@ -11,7 +11,7 @@ import pytest
 
 from ckpttool.families.base import HeadSplit
 from ckpttool.families.deepseek_v4.spec import KEY_MAPS as V4_KEY_MAPS
-from ckpttool.families.keymap import EXPERT, LINEAR, RANK0, KeyMap
+from ckpttool.families.keymap import EXPERT, LINEAR, RANK0, KeyMap, Segment
 from ckpttool.families.multimodal import WRAPPERS
 from ckpttool.families.table import FAMILIES, TEXT_FAMILIES
 from ckpttool.formats import COMPANIONS
@@ -43,14 +43,20 @@ def filled(template: str) -> tuple[str, dict[str, int]]:
 @pytest.mark.parametrize("label,table", every_table(), ids=[label for label, _ in every_table()])
 def test_every_row_round_trips_both_ways(label, table):
     """hf -> native -> hf gives back the name, the split and the row, for every row (scale companions
-    included); no two rows claim one name."""
+    included; a tensor held as Segments gives each of its rows, in order); no two rows claim one native name."""
     assert table.rows, label
     natives = set()
     for row in table.rows:
         hf, values = filled(row.hf)
-        mapped = table.to_native(hf)
-        assert mapped is not None, f"{label}: {hf} has no row"
-        assert mapped.row is row, f"{label}: {hf} found {mapped.row.hf}, not its own row {row.hf}"
+        every = table.to_natives(hf)  # one, or one per Segment of a tensor held as several (in index order)
+        assert every, f"{label}: {hf} has no row"
+        assert table.to_native(hf).row is every[0].row
+        mapped = next((m for m in every if m.row is row), None)
+        assert mapped is not None, f"{label}: {hf} found {[m.row.native for m in every]}, not its own row {row.native}"
+        if isinstance(row.split, Segment):
+            assert [m.row.split.index for m in every] == list(range(len(row.split.sizes))), label
+        else:
+            assert len(every) == 1, label
         assert mapped.name == row.native.format(**values), f"{label}: {hf} -> {mapped.name}"
         assert mapped.split == row.split and mapped.values == values
         back = table.to_hf(mapped.name)
