@@ -45,7 +45,7 @@ SLOW: tuple[tuple[str, tuple[str, ...]], ...] = (
         "test_convert.py::test_cpu_conversion_never_imports_torch",
         "test_convert.py::test_with_the_c_kernels_a_conversion_never_imports_numba",
         "test_newcomer.py::test_core_commands_run_without_torch", "test_newcomer.py::test_what_needs_torch_*",
-        "test_no_tracebacks.py::test_the_real_executable_*",
+        "test_no_tracebacks.py::test_the_real_executable_*", "test_api.py::test_importing_the_package_*",
         "test_slow_marker.py::test_not_slow_leaves_out_*")),
     ("the reference pipeline: DeepSeek's convert.py in a child process", (
         "test_convert.py::*reference*",)),
