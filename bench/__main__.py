@@ -64,7 +64,8 @@ def smoke(bench: Benchmark, src: Path, work: Path, timeout: float = 600) -> subp
     done = subprocess.run(command(bench, args), cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env=environment())
     if done.returncode != 0:
-        raise RuntimeError(f"bench {bench.name} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"bench {bench.name} exited {done.returncode}:\n{done.stdout[-2000:]}\n"
+                           f"{done.stderr[-4000:]}")
     if not done.stdout.strip():
         raise RuntimeError(f"bench {bench.name} printed nothing")
     if bench.prints_json:

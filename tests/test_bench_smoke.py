@@ -1,6 +1,7 @@
 """The maintained benchmarks (bench/__main__.py's table) each run tiny on the CPU, on a tiny FP8 DeepSeek-V3
 checkpoint: a change that breaks one fails here, not on the next measuring day. No timing is asserted (numbers
-live in bench/RESULTS.md); each run must finish and print its result (`convert`: both steps exit 0 in its results.json)."""
+live in bench/RESULTS.md); each run must finish and print its result (`convert`: both steps exit 0 in its
+results.json)."""
 
 from __future__ import annotations
 
