@@ -1,13 +1,13 @@
 #!/bin/bash
 # Issues 16, 17 and 19 in one device call (nvidia-h100-x1), each phase under its own time limit:
-#   1. start-up: import torch, CUDA context, first Triton call (bench/startup_probe.sh)
-#   2. Triton tiles of every dequant kernel, and DeepSeek's reference kernel beside FP8 block (bench/triton_sweep.py)
+#   1. start-up: import torch, CUDA context, first Triton call (bench/probes/startup_probe.sh)
+#   2. Triton tiles of every dequant kernel, and DeepSeek's reference kernel beside FP8 block (bench/probes/triton_sweep.py)
 #   3. RAM to RAM (tmpfs in and out) on the V3-shaped synthetic: ceilings, 7b674de (issue 17's start) for
 #      the bytes, this tree on the CPU (numba and numpy gathers), on CUDA, under auto, and CUDA's steady rate
 #   4. straight from the hub: download, convert and streamed convert (bench/hub_stream_bench.py); runs first,
 #      on a 1.4 GB input, so a later phase running long cannot cut it off
 #   5. the GPU tests
-#   6. the manifest's hash against the bytes written, sampled during a run (bench/hash_lag.py)
+#   6. the manifest's hash against the bytes written, sampled during a run (bench/probes/hash_lag.py)
 #   7. RAM to RAM on the CPU with 16, 12 and 8 workers, interleaved, three rounds
 #   8. every dequant kernel per output byte, small and large tensor (QUANT_COLS), CPU and CUDA (streamed, CUDA graph, host),
 #      DeepSeek's weight_dequant beside them (bench/quant_bench.py)
@@ -17,7 +17,7 @@
 #      (--idle) and, in a second run, only the one holding the GIL (--gil); raw stacks in prof-*.txt
 #  13. RAM to RAM on the CPU: this tree against an earlier one (bench/prev.tar.gz, `git archive COMMIT ckpttool | gzip`),
 #      PREV_ROUNDS interleaved rounds (default 3), every file compared; THIS_ENV="VAR=value ..." adds this tree run under them
-#      (THIS_ENV=WRAP_MODULE=bench.nohash: without the manifest's hash, bench/nohash.py)
+#      (THIS_ENV=WRAP_MODULE=bench.probes.nohash: without the manifest's hash, bench/probes/nohash.py)
 #  14. RAM to RAM variants of this tree, interleaved: VARIANTS="NAME|ENV|CONVERT ARGS;..." (VAR_ROUNDS rounds), then the
 #      CUDA path's steady rate under each env of STEADY ("-": none)
 #  11. `--device cpu | cuda | auto` RAM to RAM on AUTO_CPUS CPUs (taskset; default 4 and 8), AUTO_REPS times, a 1.4 GB and the 10.87 GB
@@ -85,7 +85,7 @@ if on 4; then
   rm -rf /dev/shm/hubwork
 fi
 
-if on 1; then stamp start-up; timeout 120 bash bench/startup_probe.sh; fi
+if on 1; then stamp start-up; timeout 120 bash bench/probes/startup_probe.sh; fi
 
 if on 2; then stamp triton sweep; (cd bench && timeout 240 python3 triton_sweep.py --seeds ../.seeds --only ${SWEEP:-int4,nvfp4,fp8_block}) | tee "$OUT/sweep.jsonl"; fi
 
@@ -95,7 +95,7 @@ if on 3; then
   if [ -f bench/base17.tar.gz ]; then tar -xzf bench/base17.tar.gz -C $BASE; else git archive 7b674de ckpttool | tar -x -C $BASE; fi
   S=/dev/shm/v3syn
   [ -d $S ] || python3 -m bench.make_synthetic --out $S --layers 2 --dense-layers 1 --experts 144 --shards 8 --no-fsync | tail -1
-  python3 bench/ram_ceiling.py --dir /dev/shm/ceil --gb 18 --threads 1,4,16 | tee "$OUT/ceiling.json"
+  python3 bench/probes/ram_ceiling.py --dir /dev/shm/ceil --gb 18 --threads 1,4,16 | tee "$OUT/ceiling.json"
   run() { rm -rf /dev/shm/o; timeout 120 python3 /tmp/wrap.py "$@" | tee -a "$OUT/runs.jsonl"; }
   run base-cpu $BASE /dev/shm/o --device cpu; rm -rf /dev/shm/ref; mv /dev/shm/o /dev/shm/ref
   run new-cpu-1 $PWD /dev/shm/o --device cpu; same new-cpu
@@ -106,7 +106,7 @@ if on 3; then
   CKPTTOOL_NUMBA=0 run new-cpu-numpy $PWD /dev/shm/o --device cpu
   run new-auto $PWD /dev/shm/o --device auto
   rm -rf /dev/shm/o
-  for i in 1 2; do timeout 120 python3 bench/gpu_steady.py /dev/shm/v3syn /dev/shm/o --mp 8 | tee -a "$OUT/runs.jsonl"; done
+  for i in 1 2; do timeout 120 python3 bench/probes/gpu_steady.py /dev/shm/v3syn /dev/shm/o --mp 8 | tee -a "$OUT/runs.jsonl"; done
   rm -rf /dev/shm/o /dev/shm/ref
   dd if=/dev/zero of=/dev/shm/dd bs=16M count=1100 2>&1 | tail -1; rm -f /dev/shm/dd
 fi
@@ -124,7 +124,7 @@ fi
 if on 6; then
   stamp hash lag
   v3syn
-  for w in 0 8; do timeout 60 python3 bench/hash_lag.py /dev/shm/v3syn /dev/shm/o --workers $w | tee -a "$OUT/hashlag.jsonl"; done
+  for w in 0 8; do timeout 60 python3 bench/probes/hash_lag.py /dev/shm/v3syn /dev/shm/o --workers $w | tee -a "$OUT/hashlag.jsonl"; done
   rm -rf /dev/shm/o
 fi
 
@@ -196,10 +196,10 @@ if on 14; then
     done
   done
   rm -rf /dev/shm/o /dev/shm/ref
-  # STEADY: the CUDA path after start-up (bench/gpu_steady.py) under each of these env assignments ("-": none,
+  # STEADY: the CUDA path after start-up (bench/probes/gpu_steady.py) under each of these env assignments ("-": none,
   # commas between assignments)
   for e in ${STEADY:-}; do for i in 1 2; do
-    [ "$e" = - ] && e=; echo "steady ${e:-base}"; env ${e//,/ } timeout 120 python3 bench/gpu_steady.py /dev/shm/v3syn /dev/shm/o --mp 8 | tee -a "$OUT/steady.jsonl"
+    [ "$e" = - ] && e=; echo "steady ${e:-base}"; env ${e//,/ } timeout 120 python3 bench/probes/gpu_steady.py /dev/shm/v3syn /dev/shm/o --mp 8 | tee -a "$OUT/steady.jsonl"
   done; done
   rm -rf /dev/shm/o
 fi

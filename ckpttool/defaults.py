@@ -43,7 +43,7 @@ def workers(n: int | None = None) -> int:
     (a thread per output file) fell behind, re-read what they missed from the page cache and held the
     end of the run: 12 workers took 0.80-0.95x the wall time of 16 there. On 4 and 8 of its cores, one
     worker fewer per four cores was 15-21% slower, so small machines keep a worker per core
-    (bench/RESULTS.md)."""
+    (bench/HISTORY.md)."""
     n = cores() if n is None else n
     return max(1, min(MAX_WORKERS, max(min(n, 12), n - 4)))
 
@@ -55,7 +55,7 @@ def layout(files: int, total_workers: int | None = None, processes: int | None =
 
     One Python process's workers share one interpreter lock: on the 16-core device twelve kept twelve
     cores busy and sixteen no more, while four forked processes of four kept 15-16 busy and took 0.73-0.97x
-    the time of one writing into tmpfs, median 0.84x (bench/RESULTS.md; on 8 cores two took 0.94-0.99x). So
+    the time of one writing into tmpfs, median 0.84x (bench/HISTORY.md; on 8 cores two took 0.94-0.99x). So
     from FORK_FROM_CORES cores up a run that can split (CPU dequant or byte moving from a local input, on
     Linux) and writes `to_memory` (tmpfs) forks one process per CORES_PER_PROCESS cores, at most one per
     output file, and the workers default to one per core in all; otherwise it stays one process with

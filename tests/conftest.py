@@ -24,6 +24,23 @@ SEEDS_MISSING = (f"needs DeepSeek's reference scripts (convert.py, kernel.py), n
                  "set CKPTTOOL_SEEDS to it")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the tests tests/slow.py lists `slow`; and keep the gpu and engines tiers out of any run whose -m does not
+    name them (a `-m "not slow"` replaces pyproject's `-m 'not gpu and not engines'` rather than adding to it)."""
+    from slow import category
+
+    for item in items:
+        if category(item.nodeid) is not None:
+            item.add_marker(pytest.mark.slow)
+    expression = config.getoption("markexpr") or ""
+    tiers = [tier for tier in ("gpu", "engines") if tier not in expression]
+    kept = [item for item in items if not any(item.get_closest_marker(tier) for tier in tiers)]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
 def require_seeds() -> Path:
     """SEEDS, or skip the calling test with a reason that says how to get them (a plain clone has no
     ../shared; CI and developers do, so there nothing is skipped)."""

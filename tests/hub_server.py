@@ -33,7 +33,7 @@ STALL_LIMIT_S = 30.0  # a stalled transfer gives up on its own, so a broken test
 SEND_BYTES = 64 * 1024
 """a body goes out in pieces of this much, each paced by `throttle`. 1 MiB pieces were tried for the
 overlap bench: an unthrottled 10.87 GB download took 52 s on the 16-core device against 24-28 s with
-these (bench/RESULTS.md)."""
+these (bench/HISTORY.md)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -472,7 +472,7 @@ def test_cuda_that_cannot_start_is_an_error_when_asked_for_and_the_cpu_under_aut
 
 
 def test_auto_uses_the_gpu_only_for_a_big_job_on_few_cores(monkeypatch):
-    """The measured cases (bench/RESULTS.md): with the C loops the CPU won on 4 cores at 2.56 and 18.46 GB
+    """The measured cases (bench/HISTORY.md): with the C loops the CPU won on 4 cores at 2.56 and 18.46 GB
     of output, on 2 cores at 2.56 GB, and was level with CUDA at 18.46 GB, so the GPU is left for larger
     jobs on few cores (the model's crossings, about 29 GB on 2 cores and 520 GB on 4); never from 8 cores,
     never without a GPU driver."""

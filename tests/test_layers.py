@@ -13,8 +13,8 @@ from conftest import REPO
 PACKAGE = REPO / "ckpttool"
 
 LAYERS: list[set[str]] = [  # bottom to top; a module is in the layer of its longest matching prefix
-    {"ckpttool", "ckpttool.errors", "ckpttool.dtypes", "ckpttool.defaults", "ckpttool.timing", "ckpttool.faults",
-     "ckpttool.progress"},
+    {"ckpttool.version", "ckpttool.settings", "ckpttool.errors", "ckpttool.dtypes", "ckpttool.defaults",
+     "ckpttool.timing", "ckpttool.faults", "ckpttool.progress"},
     {"ckpttool.io"},  # reading only: safetensors, checkpoints, the names of ckpttool's own files
     {"ckpttool.kernels"},  # numpy and Triton kernels
     {"ckpttool.formats"},  # one row per quantization format
@@ -26,8 +26,8 @@ LAYERS: list[set[str]] = [  # bottom to top; a module is in the layer of its lon
     {"ckpttool.hub", "ckpttool.verify", "ckpttool.describe"},  # download; proving an output; `inspect`
     {"ckpttool.recipe"},  # recipes and presets -> what to do
     {"ckpttool.runner"},  # the one entry point: request -> plan, execute, publish, verify
-    {"ckpttool.cli"},  # flags -> request, report -> terminal
-    {"ckpttool.__main__"},
+    {"ckpttool.api", "ckpttool.cli"},  # the commands as functions; flags -> request, report -> terminal
+    {"ckpttool", "ckpttool.__main__"},  # the package (exports api's functions, loaded on first use); the executable
 ]
 MAX_LINES = 400
 

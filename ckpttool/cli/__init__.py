@@ -137,7 +137,7 @@ def entry() -> None:
     """The `ckpttool` executable and `python -m ckpttool`: main(), then leave without the
     interpreter's teardown. Whatever a command wrote is durable and closed before main() returns,
     and unloading torch and destroying a CUDA context took 0.5-1.5 s of every run's wall time
-    (bench/RESULTS.md). In-process callers (tests) use main() and get SystemExit as usual."""
+    (bench/HISTORY.md). In-process callers (tests) use main() and get SystemExit as usual."""
     try:
         main()
         code = 0

@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from ckpttool import __version__
+from ckpttool.version import __version__
 from ckpttool.cli import demo, download, inspect, pipeline, verify
 
 app = typer.Typer(

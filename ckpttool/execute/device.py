@@ -8,12 +8,10 @@ from ckpttool import defaults
 from ckpttool.dtypes import torch_installed
 from ckpttool.errors import InputError
 
-# `--device auto`'s model of one dequantizing conversion, RAM to RAM, from measurements on the H100 machine
-# (bench/RESULTS.md, 2026-11-23 and 2026-11-24: 2, 4, 8 and 16 of its CPUs, a 2.56 GB and an 18.46 GB output)
+# `--device auto`'s model of one dequantizing conversion, RAM to RAM, fitted to the H100 machine's runs at 2 to 16
+# of its CPUs (the measurements, dated, are in bench/HISTORY.md under issue 17)
 AUTO_CPU_GB_S_PER_CORE = 0.8
-"""GB of output per second per core on the CPU path: with the C loops 0.68-0.86 measured at 2 cores and 0.83
-at 4 (2026-11-24, fourth session; with numba's 0.72 and 0.63, and before its faster gather 0.62, 0.55 and
-at 8 cores 0.47)"""
+"""GB of output per second per core on the CPU path with the C loops, fitted to the runs at 2 and 4 cores"""
 AUTO_GPU_START_S = 6.5
 """import torch, the CUDA context, the first Triton compile: 5-6.4 s fitted, during which the CPU converts"""
 

@@ -102,12 +102,12 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
     in_flight: dict[Future, tuple[Task | GatherTask, int]] = {}
     # a task's runs of rows are work items of their own (Task.row_runs): several workers stream one large
     # tensor at once, so it neither runs alone at the end nor holds every file's hashed prefix back while
-    # one worker streams it (the wait for the manifest's hash, bench/RESULTS.md). Its pieces are
+    # one worker streams it (the wait for the manifest's hash, bench/HISTORY.md). Its pieces are
     # journalled once every run is written.
     runs_left: dict[int, int] = {}
     # finished futures arrive here (add_done_callback): one get per task, where concurrent.futures.wait
     # locked every future in flight on each call (1.2 s of the main thread's GIL in a 16-worker run,
-    # bench/RESULTS.md)
+    # bench/HISTORY.md)
     done: queue.SimpleQueue = queue.SimpleQueue()
     watched: Future | None = None  # the commit request's future that puts itself in `done` when asked
     if abort is not None:

@@ -2,7 +2,7 @@
 
 One process's workers take turns on Python's GIL between their reads, dequant calls, writes and
 hashes: on the 16-core device twelve workers kept twelve cores busy and sixteen no more, and the same
-conversion in four forked processes of four workers took 0.73-0.97x the time (bench/RESULTS.md). So from
+conversion in four forked processes of four workers took 0.73-0.97x the time (bench/HISTORY.md). So from
 8 cores up, into tmpfs (defaults.layout), the run forks: this process stays rank 0, sets up the staging directory,
 then forks ranks 1..n-1 before any thread of its own starts. Each rank converts its share of the output
 files (distributed.assign_files) exactly as a torchrun rank does: its own journal, its own files' hashes

@@ -5,7 +5,7 @@ release_free_memory hands memory glibc keeps in its arenas after frees back to t
 executor calls it once, when the GPU takes over from the CPU transforms that ran while CUDA
 started: their dead fp32 temporaries otherwise stay in RSS underneath the new pinned buffers.
 
-Two alternatives went to the device together and were dropped together (bench/RESULTS.md,
+Two alternatives went to the device together and were dropped together (bench/HISTORY.md,
 commit 210c9b8): a fixed mmap threshold (every chunk buffer mmapped and returned on free) brought
 peak RSS from 1.9 to 1.4 GiB but its page faults nearly doubled hashing's CPU time; and
 sync_file_range write-behind on every piece started the disk ~1.5 s earlier, but page-cache

@@ -278,7 +278,7 @@ class Staging:
         """Bytes [start, end) of `file` hold their final contents (feeds the running hash). Said of each
         piece as it lands, not of a tensor once it is whole: a large tensor split over every mp file (an
         attention projection) then no longer holds each file's hash back until it is done (with 16 workers
-        on the 2-core box that left most of the hashing for after the last write; bench/RESULTS.md)."""
+        on the 2-core box that left most of the hashing for after the last write; bench/HISTORY.md)."""
         hasher = self._hashers.get(file)
         if hasher is not None:
             hasher.written(start, end)

@@ -22,7 +22,7 @@ class BackgroundHash:
     """A hashlib object fed on a thread of its own, so that the transfer's thread goes back to the socket
     while each 10 MB piece hashes (sha256: about 1.2 GB/s per core). Hashing inline, a single paced
     connection ran 7-11% below the link's speed while the conversion kept the other cores busy
-    (bench/RESULTS.md). At most HASH_QUEUE pieces wait."""
+    (bench/HISTORY.md). At most HASH_QUEUE pieces wait."""
 
     def __init__(self, h):
         self.h = h

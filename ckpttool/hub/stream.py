@@ -193,11 +193,11 @@ class StreamingCheckpoint(RemoteCheckpoint):
             self._guarded(name, self._side_file)
         # one file at a time, in order: parallel transfers would share the link, so the file the
         # executor waits for would land later; the next file arrives while this one converts (on the
-        # 2-core box the difference was within noise, bench/RESULTS.md)
+        # 2-core box the difference was within noise, bench/HISTORY.md)
         for name in self._order:
             with self._cond:
                 # the file to free may only be waiting for its tensors' journal entries: ask for that
-                # commit now, not within CKPTTOOL_JOURNAL_SECONDS, which held this transfer (bench/RESULTS.md)
+                # commit now, not within CKPTTOOL_JOURNAL_SECONDS, which held this transfer (bench/HISTORY.md)
                 waited = time.monotonic()
                 if self._resident >= self.k:
                     self._event(name, "room")

@@ -158,7 +158,7 @@ class ShardFiles:
         file's pages stay in the page cache).
 
         On the 16-core device this took a RAM-to-RAM conversion's execute phase from 2.11-2.18 s to 1.90-1.97 s,
-        its CPU time from 32-34 to 28-29 s and its wall time to 0.91-0.98x (bench/RESULTS.md). A mapping of the
+        its CPU time from 32-34 to 28-29 s and its wall time to 0.91-0.98x (bench/HISTORY.md). A mapping of the
         whole file instead, released range by range, kept the pages the kernel maps around each range's ends
         (fault-around): its RSS grew with the model. A file is mapped only under a read lease, so another
         process truncating it cannot end this one with SIGBUS; without one it is read with pread (io/mapped.py)."""

@@ -39,7 +39,7 @@ ALGORITHMS = ("blake3", "sha256")
 def new_hash(algorithm: str = ALGORITHM):
     """A new hash object. BLAKE3 on one thread per file: its own thread pool (`max_threads=AUTO`) spun on
     cores the workers needed, 8-10 CPU seconds more for the same wall time on the 16-core device
-    (bench/RESULTS.md). The wait for the hashes at the end of a run had two causes, both met elsewhere: a
+    (bench/HISTORY.md). The wait for the hashes at the end of a run had two causes, both met elsewhere: a
     large tensor streamed by one worker held every file's hashed prefix back (execute/executor.py runs a
     tensor's runs of rows on several workers), and a worker on every core left the hashes behind, to
     re-read what they missed (defaults.workers)."""
@@ -96,7 +96,7 @@ class PrefixHasher:
         to it (at most CATCH_UP_BYTES), the writer waits for it rather than leave its piece to be re-read
         too: otherwise a hash that fell behind once stayed behind, re-reading every later piece while
         writers kept landing theirs just past it (0.2-3.7 of 18.46 GB from memory in such runs, against
-        13 otherwise: bench/RESULTS.md). The wait is bounded by that thread's own progress, which needs
+        13 otherwise: bench/HISTORY.md). The wait is bounded by that thread's own progress, which needs
         no other writer."""
         with self._lock:
             if self._hashed < start == self._frontier and start - self._hashed <= CATCH_UP_BYTES:

@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from ckpttool import __version__
+from ckpttool.version import __version__
 from ckpttool.dtypes import itemsize
 
 HEADER_ALIGN = 8

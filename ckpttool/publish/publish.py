@@ -12,7 +12,7 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckpttool import __version__, faults
+from ckpttool import faults
 from ckpttool.execute.osutil import rename_noreplace
 from ckpttool.execute.staging import Staging, atomic_write, fsync_path
 from ckpttool.errors import CkptError, InputError, OutputError
@@ -21,6 +21,7 @@ from ckpttool.io.layout import (INDEX_NAME, MANIFEST, check_output_names, is_own
                                 name_problem, read_manifest)
 from ckpttool.io.safetensors import printable
 from ckpttool.publish.destination import identity
+from ckpttool.version import __version__
 
 
 def publish(staging: Staging, src: Path, *, overwrite: bool, hash_workers: int = 8) -> dict:

@@ -1,4 +1,4 @@
-"""`python -m bench.nomap ARGS` runs `ckpttool ARGS` with an input in RAM read by pread into each worker's
+"""`python -m bench.probes.nomap ARGS` runs `ckpttool ARGS` with an input in RAM read by pread into each worker's
 reusable buffer, as before mapped reads (io/checkpoint.py `mapped_range`): what the mappings save or
 cost a run. A measurement aid, never a way to convert."""
 

@@ -3,7 +3,7 @@ small tensor the GPU's time (about 14 us on [7168, 2048] on the H100) is below a
 streamed back to back run at the host's pace. Each row: microseconds of host time per call, the median of
 --reps timings of --calls calls enqueued back to back (the GPU drained between timings). Prints JSON lines.
 
-    python bench/host_cost.py --seeds DIR
+    python bench/probes/host_cost.py --seeds DIR
 """
 
 from __future__ import annotations

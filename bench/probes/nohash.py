@@ -1,6 +1,6 @@
-"""`python -m bench.nohash ARGS` runs `ckpttool ARGS` with the manifest's hash replaced by one that does
+"""`python -m bench.probes.nohash ARGS` runs `ckpttool ARGS` with the manifest's hash replaced by one that does
 nothing (every digest zeros): what a run would take without hashing, to weigh the hash's cost
-(bench/device_run.sh phase 13, `THIS_MODULE=bench.nohash`). A measurement aid, never a way to convert."""
+(bench/device_run.sh phase 13, `THIS_MODULE=bench.probes.nohash`). A measurement aid, never a way to convert."""
 
 from ckpttool.io import hashing
 

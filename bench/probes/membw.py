@@ -2,7 +2,7 @@
 copies its own 256 MiB array into another (numpy's copy releases the GIL), REPS times; GB/s counts the
 bytes copied (each is read once and written once, so the memory moves at least twice that).
 
-    python -m bench.membw --threads 1,4,8,12,16
+    python -m bench.probes.membw --threads 1,4,8,12,16
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from bench.ram_ceiling import timed_threads
+from bench.probes.ram_ceiling import timed_threads
 
 
 def rate(threads: int, nbytes: int, reps: int) -> float:

@@ -1,7 +1,7 @@
 """Ceilings for a RAM-to-RAM conversion (issue 17): how fast plain Python threads write into tmpfs,
 and how fast one thread hashes, on this machine, now. Prints one JSON object.
 
-    python bench/ram_ceiling.py --dir /dev/shm/ceil --gb 18 --threads 1,4,16
+    python bench/probes/ram_ceiling.py --dir /dev/shm/ceil --gb 18 --threads 1,4,16
 
 write_gbps[N]: N threads each pwrite 8 MiB pieces (of one random buffer) into their own fresh file,
 total --gb decimal GB, files deleted after each N (tmpfs: every byte is a page allocated, zeroed and

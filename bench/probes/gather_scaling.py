@@ -3,7 +3,7 @@ I/O: each of N threads dequantizes an expert-shaped chunk ([ROWS, 7168] FP8 code
 scales, in memory) into its own reused output buffer, REPS times. Prints one JSON object: GB/s of BF16
 output per thread count, total and per thread.
 
-    python -m bench.gather_scaling --threads 1,4,8,12,16 --rows 2048
+    python -m bench.probes.gather_scaling --threads 1,4,8,12,16 --rows 2048
 """
 
 from __future__ import annotations

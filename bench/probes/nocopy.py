@@ -1,4 +1,4 @@
-"""`python -m bench.nocopy ARGS` runs `ckpttool ARGS` with the kernel's copies (copy_file_range) turned
+"""`python -m bench.probes.nocopy ARGS` runs `ckpttool ARGS` with the kernel's copies (copy_file_range) turned
 off, so byte-moving pieces are read and written like the rest: what copy_file_range saves or costs a run
 on a given filesystem. A measurement aid, never a way to convert."""
 

@@ -4,7 +4,7 @@
 (`wait_for_cuda`, as the GPU tests force it): the wall time, CUDA's start-up (import torch, context,
 kernels) and the rest, which is the GPU path's rate once started. Prints one JSON object.
 
-    python bench/gpu_steady.py SRC DST [--mp 8] [--workers N]
+    python bench/probes/gpu_steady.py SRC DST [--mp 8] [--workers N]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ of each tenth of the run and of each BIN seconds, and the command's own JSON out
 one. A conversion that leaves cores idle while it is slower than the write ceiling waits on something
 (a lock, the memory); one that keeps every core busy needs less work per byte.
 
-    python -m bench.cpu_timeline -- ckpttool convert SRC DST --mp 8 --dtype bf16 --quiet
+    python -m bench.probes.cpu_timeline -- ckpttool convert SRC DST --mp 8 --dtype bf16 --quiet
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ in memory) into BF16, hash it with BLAKE3 and pwrite it into FILES files in a tm
 until TOTAL GB are written. Prints one JSON object: wall s, CPU s and GB/s of output per mode. --read reads each
 chunk's codes from a tmpfs file first, as a conversion does.
 
-    python -m bench.fusion_probe --dir /dev/shm/fp --gb 8 --threads 12 --files 8 --slice-rows 64,128
+    python -m bench.probes.fusion_probe --dir /dev/shm/fp --gb 8 --threads 12 --files 8 --slice-rows 64,128
 """
 
 from __future__ import annotations

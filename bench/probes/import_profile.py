@@ -2,7 +2,7 @@
 top-level package (self time), and the first call of the numba FP8 kernel (its import and cache load).
 Prints one JSON object. Run it twice: the first run also writes bytecode caches.
 
-    python -m bench.import_profile
+    python -m bench.probes.import_profile
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ hashed, summed over the files and per file ([written, frontier, hashed] MB). A f
 hash means hashing lacks CPU; a frontier far behind the bytes written means pieces land out of order and
 the hash has to wait for them. Prints one JSON object: the samples, and the run's --json timing.
 
-    python bench/hash_lag.py SRC DST [--mp 8] [--device cpu] [--workers N]
+    python bench/probes/hash_lag.py SRC DST [--mp 8] [--device cpu] [--workers N]
 """
 
 from __future__ import annotations

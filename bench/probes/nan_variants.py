@@ -3,7 +3,7 @@ check at all): the kernel alone, replayed from a CUDA graph, and streamed, on a 
 variants interleaved in rounds. Each variant writes the same bits; the ones that record a NaN row are
 checked to name the right one. Prints one JSON line per (round, variant, shape).
 
-    python bench/nan_variants.py --seeds DIR [--rounds 3]
+    python bench/probes/nan_variants.py --seeds DIR [--rounds 3]
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_bench import cuda_call_times  # bench/ is the script's directory
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/: the benchmarks
+from quant_bench import cuda_call_times  # noqa: E402
 
 from ckpttool.kernels import fp8_triton, nan_flag
 

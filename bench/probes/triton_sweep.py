@@ -8,7 +8,7 @@ each between its own events). Every tile's bytes are compared with the CPU path'
 the default tile's (large shape). The FP8 block kernel is also timed with 64-bit offsets forced, and
 DeepSeek's reference `weight_dequant` beside it when --seeds names its directory. Prints JSON lines.
 
-    python bench/triton_sweep.py [--seeds DIR] [--only int4,fp8_rows,nvfp4,nvfp4_modelopt,fp8_block]
+    python bench/probes/triton_sweep.py [--seeds DIR] [--only int4,fp8_rows,nvfp4,nvfp4_modelopt,fp8_block]
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import sys
 import torch
 import triton
 
-from kernel_bench import time_cuda  # bench/ is the script's directory
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/: the benchmarks
+from kernel_bench import time_cuda  # noqa: E402
 from quant_bench import carrier, chunk, inputs
 
 from ckpttool.formats import BY_NAME

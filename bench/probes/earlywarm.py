@@ -1,6 +1,6 @@
-"""`python -m bench.earlywarm ARGS` runs `ckpttool ARGS` with the CPU FP8 kernels (numba's import and cache
+"""`python -m bench.probes.earlywarm ARGS` runs `ckpttool ARGS` with the CPU FP8 kernels (numba's import and cache
 load) started on a thread at the process's first line, beside the CLI's own imports and the plan: does
-start-up overlap itself (bench/device_run.sh phase 14, `WRAP_MODULE=bench.earlywarm`)? A measurement aid."""
+start-up overlap itself (bench/device_run.sh phase 14, `WRAP_MODULE=bench.probes.earlywarm`)? A measurement aid."""
 
 import os
 import threading
