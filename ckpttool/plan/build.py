@@ -10,7 +10,7 @@ from ckpttool.dtypes import torch_installed
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.base import unstack_experts
 from ckpttool.families.table import family_for
-from ckpttool.formats import CKPTTOOL_QUANTIZATION, HF_QUANT_CONFIG, declared_rules, quantized_config
+from ckpttool.formats import CKPTTOOL_QUANTIZATION, HF_QUANT_CONFIG, declared_rules
 from ckpttool.io.checkpoint import Checkpoint, ShardFiles
 from ckpttool.io.layout import mp_file
 from ckpttool.plan import dequant as dequant_stage
@@ -29,7 +29,7 @@ class Spec:
     mp: int | None = None  # None: HF layout (input file names, index); N: model{i}-mp{N}.safetensors
     keep_mtp: bool | None = False  # None: as the layout's reference has them (HF: kept; mp: Family.mtp_in_mp)
     arch: str = "auto"  # a recipe may pin the model_type it was written for
-    quantize: str | None = None  # fp8_block | int8 | int4: quantize linear weights (plan/quantize.py)
+    quantize: str | None = None  # a row of formats/outputs.py (w4a16, fp8-block, ...): quantize linear weights
     group_size: int = 128  # int4 group size
 
     label = "converting"
@@ -89,11 +89,11 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
                      "no quantized weights found: tensors are copied unchanged")
 
     if spec.quantize is not None:
-        if spec.mp is not None and spec.quantize != "fp8_block":
-            raise PlanError(f"{spec.quantize} output is HF layout only", fix="drop the shard stage, or use fp8_block")
-        n_before = len(tensors)
+        quantize_stage.check_mp(spec.quantize, spec.group_size, spec.mp)
+        n_before, unquantized = len(tensors), tensors
         tensors = quantize_stage.quantize(tensors, family, cfg, spec.quantize, spec.group_size,
                                           {t.name: str(ckpt.root / t.file) for t in tensors})
+        unquantized = quantize_stage.unquantized_linears(unquantized, tensors)
         notes.append(f"quantized {len(tensors) - n_before} weights to {spec.quantize}")
 
     input_order = sorted(ckpt.files)
@@ -112,7 +112,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
                             mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not keep_mtp,
                             explicit=family.explicit_config, source=ckpt.root / "config.json")
     if spec.quantize is not None:
-        config = quantized_config(config, spec.quantize, spec.group_size)
+        config = quantize_stage.quantized_config(config, spec.quantize, spec.group_size, unquantized)
     copies = [c for c in files_to_copy(ckpt.root, ckpt.top_level_files())
               if not (spec.dequant and c == HF_QUANT_CONFIG)]
     return Plan(src=str(ckpt.root), files=files, inputs=input_fingerprints(ckpt), format=fmt, index=index,
