@@ -90,11 +90,11 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
 
     if spec.quantize is not None:
         quantize_stage.check_mp(spec.quantize, spec.group_size, spec.mp)
-        n_before, unquantized = len(tensors), tensors
+        unquantized = tensors
         tensors = quantize_stage.quantize(tensors, family, cfg, spec.quantize, spec.group_size,
                                           {t.name: str(ckpt.root / t.file) for t in tensors})
         unquantized = quantize_stage.unquantized_linears(unquantized, tensors)
-        notes.append(f"quantized {len(tensors) - n_before} weights to {spec.quantize}")
+        notes.append(f"quantized {quantize_stage.count_quantized(tensors)} weights to {spec.quantize}")
 
     input_order = sorted(ckpt.files)
     if spec.mp is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ckpttool.errors import PlanError
 from ckpttool.families.base import Family
-from ckpttool.formats import FP8_DTYPES, with_leaf
+from ckpttool.formats import FP8_DTYPES, QUANTIZE_TRANSFORMS, with_leaf
 from ckpttool.formats.outputs import FORMATS, Target, ignored_modules, target
 from ckpttool.plan.types import TensorPlan
 
@@ -69,6 +69,11 @@ def quantize(tensors: list[TensorPlan], family: Family, cfg, fmt: str, group_siz
             out.append(t.with_(name=with_leaf(t.name, o.leaf), dtype=o.dtype or t.dtype, shape=o.shape(rows, cols),
                                transform=o.transform))
     return out
+
+
+def count_quantized(tensors: list[TensorPlan]) -> int:
+    """How many weights the stage quantized (each is several output tensors)."""
+    return len({t.source for t in tensors if t.transform in QUANTIZE_TRANSFORMS})
 
 
 def unquantized_linears(before: list[TensorPlan], after: list[TensorPlan]) -> list[str]:
