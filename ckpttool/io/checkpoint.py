@@ -29,19 +29,18 @@ from ckpttool.io.safetensors import (
     TensorInfo,
     array_from_bytes,
     check_tensor_name,
-    gguf_error,
     loads_strict_json,
     printable,
     read_bytes,
     read_header,
+    refuse_gguf_dir,
     tensor_from_bytes,
 )
 
 MAX_INDEX_BYTES = 256 * 1024 * 1024  # DeepSeek-V3's index is ~9 MB for 92k tensors
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 MAX_TENSORS = 1 << 20
-"""tensors over all of a checkpoint's files: DeepSeek-V3 lists about 92,000 (weights and scales), Kimi-K2 about
-140,000; each costs about 1 KB while planned"""
+"""tensors over a checkpoint's files: DeepSeek-V3 lists ~92,000, Kimi-K2 ~140,000; each costs ~1 KB planned"""
 FINGERPRINT_SAMPLES, FINGERPRINT_BLOCK = 16, 4096  # 17 reads of 4 KiB per input file: cheap even on a cold disk
 _FIX_INDEX = "the index is corrupt or hostile; re-download model.safetensors.index.json"
 _FIX_CONFIG = "fix or re-download config.json (it must be one JSON object)"
@@ -274,9 +273,7 @@ class Checkpoint(ShardFiles):
     def _load_glob(self) -> None:
         names = sorted(p.name for p in self.root.glob("*.safetensors"))
         if not names:
-            gguf = sorted(self.root.glob("*.gguf")) or sorted(self.root.glob("*.GGUF"))
-            if gguf:
-                raise gguf_error(gguf[0])
+            refuse_gguf_dir(self.root)
             raise InputError("no *.safetensors files and no index", file=self.root,
                              fix="point at the directory that holds the model's safetensors shards")
         if all(MP_FILE.fullmatch(n) for n in names):  # ranks of one model, whose names repeat across files
@@ -292,8 +289,7 @@ class Checkpoint(ShardFiles):
         if (not fname or os.path.isabs(fname) or "\\" in fname or printable(fname) != fname
                 or any(part in ("", ".", "..") for part in parts)):
             raise InputError(f"index points at {printable(fname)!r}, which is not a plain path inside the checkpoint "
-                             "directory", file=index_path,
-                             fix="the index is corrupt or hostile; shard names must be relative, without '..' or '.'")
+                             "directory", file=index_path, fix=f"{_FIX_INDEX}: shard names must be plain relative paths")
         if not self._has(fname):
             raise InputError(f"index names shard {fname!r}, which is missing", file=index_path,
                              fix="finish the download (or re-download) so every shard is present")

@@ -220,6 +220,12 @@ def gguf_error(path: object) -> InputError:
                           "gguf_file=...) dequantizes it) and save_pretrained it as safetensors")
 
 
+def refuse_gguf_dir(directory: Path) -> None:
+    """A directory of GGUF files (and no safetensors) is refused as GGUF, not as an empty checkpoint."""
+    if gguf := sorted(p for p in directory.glob("*") if p.suffix.lower() == ".gguf"):
+        raise gguf_error(gguf[0])
+
+
 def is_gguf(path: Path) -> bool:
     """Whether a path is a GGUF file: its magic (a regular file), or its name where it cannot be read."""
     try:
