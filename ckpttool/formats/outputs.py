@@ -63,6 +63,7 @@ class Target:
     mp_refusal: str = "its scales are not laid out per rank"
     aliases: tuple[str, ...] = ()
     library: str = ""  # what defines the bytes (README's table)
+    repacks_to_fp8_blocks: bool = False  # quantized weights with an exact repack into FP8 blocks take it (plan/repack.py)
     transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -235,7 +236,8 @@ FP8_BLOCK_DEEPSEEK = Target(
     outputs=(Output("weight", "F8_E4M3", lambda r, c: (r, c), "quantize_fp8_block"),
              Output("weight_scale_inv", "F32", lambda r, c: scale_shape((r, c)), "quantize_fp8_block_scale")),
     compute=lambda w: dict(zip(("weight", "weight_scale_inv"), quantize_fp8_block(w))), refuses=lambda r, c: None,
-    config=_deepseek_config, mp=True, library="DeepSeek-V3's reference `act_quant` block scaling")
+    config=_deepseek_config, mp=True, library="DeepSeek-V3's reference `act_quant` block scaling",
+    repacks_to_fp8_blocks=True)
 INT8 = Target(
     name="int8", title="gpt-fast int8 per channel",
     outputs=(Output("weight", "I8", lambda r, c: (r, c), "quantize_int8"),

@@ -41,8 +41,12 @@ def check_mp(fmt: str, group_size: int, mp: int | None) -> None:
 
 
 def quantize(tensors: list[TensorPlan], family: Family, cfg, fmt: str, group_size: int = 128,
-             files_of: dict[str, str] | None = None) -> list[TensorPlan]:
+             files_of: dict[str, str] | None = None, repacked: int = 0) -> list[TensorPlan]:
+    """Each quantizable float weight -> its format's tensors. A checkpoint whose quantized weights the plan
+    repacked instead (plan/repack.py) passes through: its config describes the repacked weights only."""
     row = target_of(fmt, group_size)
+    if repacked:
+        return tensors
     if not family.quantize:
         raise PlanError(f"the quantize stage does not support {family.name} checkpoints")
     files_of = files_of or {}
@@ -83,6 +87,10 @@ def unquantized_linears(before: list[TensorPlan], after: list[TensorPlan]) -> li
                             and len(t.shape) == 2])
 
 
-def quantized_config(config: dict, fmt: str, group_size: int, ignored: list[str]) -> dict:
-    """config.json as the format's row writes it (its `quantization_config`, or ckpttool's own key)."""
+def quantized_config(config: dict, fmt: str, group_size: int, ignored: list[str], repacked: dict | None = None
+                     ) -> dict:
+    """config.json as the format's row writes it (its `quantization_config`, or ckpttool's own key); where the
+    plan repacked quantized weights, the quantization_config that says what they now are (plan/repack.py)."""
+    if repacked is not None:
+        return {**config, "quantization_config": repacked}
     return target_of(fmt, group_size).config(config, ignored)

@@ -1,0 +1,96 @@
+"""Exact repacks between quantized formats (numpy): MXFP4 (E2M1 codes, an E8M0 scale per 32 values along a
+row) -> FP8 e4m3 codes with one power-of-two (E8M0) scale per b0 x b1 block, and FP8 blocks of one size -> another.
+
+Every MXFP4 value is `m * 2**(s - 127)` with m in {0, 0.5, 1, 1.5, 2, 3, 4, 6}: one or two significant bits. The
+block's scale is DeepSeek's ue8m0 rule, `2**ceil(log2(amax / 448))` (1.0 for an all-zero block), so the largest
+value lands in [224, 448]; each value divided by it is then an FP8 e4m3 value exactly unless it falls below e4m3's
+range (2**-9, subnormals included), which happens only where a group's exponent is 15 or more below the block's
+largest. Such a value is never rounded: the block is refused (`Inexact`, naming the block). Since every value is
+kept exactly, the repacked weight dequantizes to the very BF16 (or F16, F32) the source does, and the codes and
+scales are what an ue8m0 FP8 block quantizer computes from that BF16.
+
+All arithmetic is in float32, where every value here is exact: E2M1 times a power of two down to 2**-128
+(subnormal, still exact), and a quotient either an e4m3 value (exact) or flagged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ckpttool.kernels.fp8_cpu import fp8_values
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
+FP8_MAX = 448.0
+
+
+class Inexact(ValueError):
+    """A value the target format cannot hold exactly: (block row, block column) of the run given."""
+
+    def __init__(self, block: tuple[int, int], value: float, scale_exp: int):
+        self.block, self.value, self.scale_exp = block, value, scale_exp
+        super().__init__(f"block {list(block)} holds {value!r}, which FP8 e4m3 with the block's scale "
+                         f"2**{scale_exp} cannot represent exactly")
+
+
+@functools.lru_cache(maxsize=None)
+def _positive_e4m3() -> np.ndarray:
+    """The 127 non-negative finite e4m3 values, ascending (code k is entry k)."""
+    return fp8_values("F8_E4M3")[:127].copy()
+
+
+def mxfp4_values(packed: np.ndarray, e8m0: np.ndarray) -> np.ndarray:
+    """[R, K/2] bytes (two E2M1 codes, low nibble first) and [R, K/32] E8M0 -> the exact values, float32 [R, K]
+    (a code with its sign bit and magnitude 0 is -0.0, as the source dequantizes it)."""
+    b = packed.view(np.uint8)
+    rows = b.shape[0]
+    codes = np.empty((rows, b.shape[1] * 2), dtype=np.uint8)
+    codes[:, 0::2], codes[:, 1::2] = b & 0x0F, b >> 4
+    mag = E2M1[codes & 7]
+    signed = np.where(codes & 8, -mag, mag)
+    scale = np.ldexp(np.float32(1.0), e8m0.view(np.uint8).astype(np.int32) - 127).astype(np.float32)
+    return (signed.reshape(rows, -1, 32) * scale[:, :, None]).reshape(rows, -1)
+
+
+def fp8_block_values(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """FP8 e4m3 codes [R, K] times their block's power-of-two scale (float32 [ceil(R/b0), ceil(K/b1)]): exact."""
+    b0, b1 = block
+    vals = fp8_values("F8_E4M3")[codes.view(np.uint8)]
+    full = np.repeat(np.repeat(scale, b0, 0)[: codes.shape[0]], b1, 1)[:, : codes.shape[1]]
+    return vals * full
+
+
+def _blocks(x: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """[R, K] -> [R/b0, b0, K/b1, b1], zero-padded to whole blocks."""
+    b0, b1 = block
+    r, k = x.shape
+    pr, pk = -(-r // b0) * b0, -(-k // b1) * b1
+    if (pr, pk) != (r, k):
+        x = np.pad(x, ((0, pr - r), (0, pk - k)))
+    return x.reshape(pr // b0, b0, pk // b1, b1)
+
+
+def block_exponents(values: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """Each block's scale exponent: ceil(log2(amax / 448)), 0 for an all-zero block, within E8M0's [-127, 127]."""
+    amax = np.abs(_blocks(values, block)).max(axis=(1, 3))
+    with np.errstate(divide="ignore"):
+        e = np.ceil(np.log2(amax.astype(np.float64) / FP8_MAX))
+    return np.clip(np.where(amax > 0, e, 0), -127, 127).astype(np.int32)
+
+
+def fp8_codes(values: np.ndarray, exps: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """The e4m3 codes of values / 2**exp per block, or Inexact for the first block holding a value they cannot."""
+    b0, b1 = block
+    r, k = values.shape
+    scale = np.ldexp(np.float32(1.0), exps).astype(np.float32)
+    full = np.repeat(np.repeat(scale, b0, 0)[:r], b1, 1)[:, :k]
+    q = values / full
+    table = _positive_e4m3()
+    mag = np.abs(q)
+    idx = np.minimum(np.searchsorted(table, mag), len(table) - 1)
+    bad = table[idx] != mag
+    if bad.any():
+        i, j = (int(v) for v in np.argwhere(bad)[0])
+        raise Inexact((i // b0, j // b1), float(values[i, j]), int(exps[i // b0, j // b1]))
+    return (idx.astype(np.uint8) | np.where(np.signbit(q), np.uint8(0x80), np.uint8(0))).astype(np.uint8)

@@ -1,0 +1,57 @@
+"""The quantize stage's exact repacks, at plan time: quantized weights whose format repacks exactly into the
+target (formats/repack.py) become the target's codes and scales, made from their stored values and sides;
+nothing is dequantized and nothing is rounded (a value the target cannot hold fails the run, naming the tensor
+and the block). The config then says what the tensors now are, and the rules it declares are what the rest of
+the plan (and every later reader) resolves the output with.
+
+DeepSeek-V4 as published (`quant_method: fp8`, `scale_fmt: ue8m0`, `expert_dtype: fp4`): the MXFP4 routed experts
+become FP8 e4m3 with E8M0 scales in the checkpoint's own `weight_block_size` blocks (128x128; V4.1: 32x32), the
+layout its other projections already have, and `expert_dtype` becomes `fp8`: Hopper's kernels for every weight.
+"""
+
+from __future__ import annotations
+
+from ckpttool.errors import PlanError
+from ckpttool.formats import declared_rules
+from ckpttool.formats.outputs import Target
+from ckpttool.formats.repack import codes_row, repackable, scale_row, scale_shape
+from ckpttool.formats.resolve import members_of
+from ckpttool.plan.dequant import Rules, matches
+from ckpttool.plan.types import TensorPlan
+
+
+def repack(tensors: list[TensorPlan], rules: Rules, target: Target, config: dict, source
+           ) -> tuple[list[TensorPlan], Rules, dict | None, int]:
+    """(tensors, the rules of the output's config, that config's quantization_config or None where nothing was
+    repacked, how many weights were repacked)."""
+    found = {v: m for v, m in matches(tensors, rules).items() if repackable(m.row)}
+    if not found:
+        return tensors, rules, None, 0
+    quant = config.get("quantization_config") or {}
+    if not target.repacks_to_fp8_blocks:
+        first = next(iter(found.values()))
+        raise PlanError(f"{first.row.title} weights do not repack exactly into {target.name}", tensor=first.values,
+                        fix="repack them with --to fp8-block-deepseek, or dequantize the checkpoint first")
+    if quant.get("quant_method") != "fp8" or quant.get("expert_dtype") != "fp4" or quant.get("scale_fmt") != "ue8m0":
+        raise PlanError("MXFP4 experts repack into the FP8 blocks of a DeepSeek-V4 config (quant_method fp8, "
+                        f"scale_fmt ue8m0, expert_dtype fp4); this one says {quant!r}", file=source,
+                        fix="dequantize the checkpoint instead (ckpttool dequant)")
+    block = tuple(quant.get("weight_block_size") or (128, 128))
+    dtypes = {t.name: t.dtype for t in tensors}
+    beside = members_of(found) - set(found)
+    out = []
+    for t in tensors:
+        if t.name in beside:
+            continue
+        m = found.get(t.name)
+        if m is None:
+            out.append(t)
+            continue
+        shape = m.row.out_shape(t.shape)
+        scale = m.members["scale"]
+        out.append(t.with_(name=m.values, dtype="F8_E4M3", shape=shape, transform=codes_row(*block, m.row.name).name,
+                           sides=m.sides))
+        out.append(t.with_(name=scale, dtype=dtypes[scale], shape=scale_shape(shape, block),
+                           transform=scale_row(*block, m.row.name, t.name).name, sides=m.sides))
+    quant = {**quant, "expert_dtype": "fp8"}
+    return out, declared_rules(quant, None, source), quant, len(found)
