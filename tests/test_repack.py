@@ -110,3 +110,80 @@ def test_kernel_keeps_every_value_and_its_sign(block):
     with pytest.raises(repack.Inexact):
         v = repack.mxfp4_values(packed, e8m0)
         repack.fp8_codes(v, repack.block_exponents(v, block), block)
+
+
+def test_fp8_blocks_regroup_exactly_from_v4_to_v41_and_back(v4, tmp_path):
+    """DeepSeek-V4's 128x128 E8M0 blocks -> V4.1's 32x32 (experts repacked from MXFP4 into them too): each new
+    block's scale is the ue8m0 rule of its exact values, and the checkpoint dequantizes to the source's BF16 byte
+    for byte (ckpttool's dequant; transformers' Fp8Dequantize of each weight). Merged back into 128x128 blocks it
+    dequantizes to the same BF16 again. (Not always to the source's bytes: where a block's amax / 448 is exactly a
+    power of two, transformers' quantizer, computing 1 / (448 / amax) in float32, took the next scale up and
+    codes of at most 224; the ue8m0 rule of the exact values takes the tighter one. Both hold the same values.)"""
+    src, scales = v4[128]
+    run_cli("quantize", src, tmp_path / "out", "--to", "fp8-32x32", "--quiet")
+    before, after = _all(src), _all(tmp_path / "out")
+    for name, scale in scales.items():
+        q, s = after[name], after[scale]
+        assert q.dtype == torch.float8_e4m3fn and s.shape == (-(-q.shape[0] // 32), -(-q.shape[1] // 32)), name
+        assert torch.equal(fp8_dequantize(q, s).view(torch.int16),
+                           fp8_dequantize(before[name], before[scale]).view(torch.int16)), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["weight_block_size"] == [32, 32] and config["expert_dtype"] == "fp8"
+    run_cli("dequant", src, tmp_path / "a", "--quiet")
+    run_cli("dequant", tmp_path / "out", tmp_path / "b", "--quiet")
+    for f in load_dir(tmp_path / "a"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    run_cli("quantize", tmp_path / "out", tmp_path / "back", "--to", "fp8-128x128", "--quiet")
+    back = _all(tmp_path / "back")
+    same = 0
+    for name, scale in scales.items():
+        assert back[scale].shape == (-(-back[name].shape[0] // 128), -(-back[name].shape[1] // 128)), scale
+        assert torch.equal(fp8_dequantize(back[name], back[scale]).view(torch.int16),
+                           fp8_dequantize(before[name], before[scale]).view(torch.int16)), name
+        same += not _is_expert(name) and torch.equal(back[scale].view(torch.uint8), before[scale].view(torch.uint8))
+    dense = sum(not _is_expert(n) for n in scales)
+    assert same > dense // 2  # most weights come back to the source's very scales
+
+
+def test_v41_blocks_that_fp8_cannot_merge_are_refused_by_tensor_and_block(v4, tmp_path):
+    """V4.1's 32x32 blocks quantized from BF16 put small values under small scales; under one 128x128 scale some
+    fall below e4m3's 2**-9 step: refused (the tensor and the block named), never rounded, nothing published."""
+    src, _ = v4[32]
+    proc = run_cli("quantize", src, tmp_path / "out", "--to", "fp8-128x128", check=False)
+    assert proc.returncode != 0 and "cannot repack exactly: block [" in proc.stderr and "tensor '" in proc.stderr
+    assert not (tmp_path / "out").exists() or not any(p.suffix == ".safetensors" for p in (tmp_path / "out").iterdir())
+
+
+def test_float_scales_split_and_merge_back_to_the_same_bytes(tiny_v3, tmp_path):
+    """DeepSeek-V3's F32 128x128 scales: split into 32x32 the codes stay and each scale repeats; merged back, the
+    checkpoint is byte for byte the original. Merging 32x32 blocks whose scales differ by other than a power of two
+    is refused, naming the tensor and the block."""
+    run_cli("quantize", tiny_v3, tmp_path / "32", "--to", "fp8-32x32", "--quiet")
+    src, out = _all(tiny_v3), _all(tmp_path / "32")
+    name = next(n for n in src if n.endswith("weight_scale_inv"))
+    weight = name[: -len("_scale_inv")]
+    assert torch.equal(out[weight].view(torch.uint8), src[weight].view(torch.uint8))
+    assert torch.equal(out[name], src[name].repeat_interleave(4, 0).repeat_interleave(4, 1)[
+        : out[name].shape[0], : out[name].shape[1]])
+    run_cli("quantize", tmp_path / "32", tmp_path / "128", "--to", "fp8-128x128", "--quiet")
+    files = sorted(p.name for p in tiny_v3.glob("*.safetensors"))
+    for f in files:
+        assert (tmp_path / "128" / f).read_bytes() == (tiny_v3 / f).read_bytes(), f
+    assert json.loads((tmp_path / "128" / "config.json").read_text())["quantization_config"] == \
+        json.loads((tiny_v3 / "config.json").read_text())["quantization_config"]
+    # one 32x32 scale 1.5x its neighbours: no power of two maps its codes under the merged block's scale
+    tensors, file_of = load_all(tmp_path / "32")
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 1] *= 1.5
+    write_like(tmp_path / "32", tmp_path / "odd", tensors, file_of)
+    proc = run_cli("quantize", tmp_path / "odd", tmp_path / "x", "--to", "fp8-128x128", check=False)
+    assert proc.returncode != 0 and "cannot repack exactly" in proc.stderr and "block [0, 0]" in proc.stderr
+    assert weight in proc.stderr
+
+
+def test_repack_only_targets_refuse_float_weights_and_nothing_to_do(tiny_llama, tiny_v3, tmp_path):
+    proc = run_cli("quantize", tiny_llama, tmp_path / "a", "--to", "fp8-32x32", check=False)
+    assert proc.returncode != 0 and "nothing to repack into fp8-32x32" in proc.stderr
+    assert "--to fp8-block-deepseek" in proc.stderr  # the fix: the target that quantizes float weights
+    proc = run_cli("quantize", tiny_v3, tmp_path / "b", "--to", "fp8-128x128", check=False)
+    assert proc.returncode != 0 and "nothing to repack" in proc.stderr

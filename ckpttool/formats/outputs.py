@@ -64,6 +64,8 @@ class Target:
     aliases: tuple[str, ...] = ()
     library: str = ""  # what defines the bytes (README's table)
     repacks_to_fp8_blocks: bool = False  # quantized weights with an exact repack into FP8 blocks take it (plan/repack.py)
+    repack_block: tuple[int, int] | None = None  # the blocks a repack writes (None: the config's weight_block_size)
+    repack_only: bool = False  # takes quantized checkpoints only (`refuses` says so for a float weight)
     transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -238,6 +240,22 @@ FP8_BLOCK_DEEPSEEK = Target(
     compute=lambda w: dict(zip(("weight", "weight_scale_inv"), quantize_fp8_block(w))), refuses=lambda r, c: None,
     config=_deepseek_config, mp=True, library="DeepSeek-V3's reference `act_quant` block scaling",
     repacks_to_fp8_blocks=True)
+
+
+def _repack_target(b: int) -> Target:
+    def refuses(rows: int, cols: int) -> str:
+        return f"fp8-{b}x{b} repacks FP8 blocks and MXFP4 experts exactly; it does not quantize float weights"
+
+    def compute(w):
+        raise ValueError(refuses(0, 0))
+
+    return Target(name=f"fp8-{b}x{b}", title=f"FP8 {b}x{b} blocks, repacked exactly", outputs=(), compute=compute,
+                  refuses=refuses, config=_deepseek_config, mp=False, mp_refusal="E8M0 block scales are not cut per "
+                  "rank", repacks_to_fp8_blocks=True, repack_block=(b, b), repack_only=True,
+                  library="transformers' FP8 blocks (`weight_block_size`), DeepSeek-V4 and V4.1")
+
+
+REPACK_TARGETS = (_repack_target(128), _repack_target(32))
 INT8 = Target(
     name="int8", title="gpt-fast int8 per channel",
     outputs=(Output("weight", "I8", lambda r, c: (r, c), "quantize_int8"),
@@ -262,8 +280,10 @@ def _int4(group: int) -> Target:
         library="gpt-fast `get_group_qparams` + `group_quantize_tensor_from_qparams`")
 
 
-TARGETS: tuple[Target, ...] = (*CT_TARGETS, FP8_BLOCK_DEEPSEEK, INT8, *(_int4(g) for g in INT4_GROUP_SIZES))
-FORMATS = tuple(dict.fromkeys((*(t.name for t in CT_TARGETS), FP8_BLOCK_DEEPSEEK.name, "fp8_block", "int8", "int4")))
+TARGETS: tuple[Target, ...] = (*CT_TARGETS, FP8_BLOCK_DEEPSEEK, *REPACK_TARGETS, INT8,
+                                *(_int4(g) for g in INT4_GROUP_SIZES))
+FORMATS = tuple(dict.fromkeys((*(t.name for t in CT_TARGETS), FP8_BLOCK_DEEPSEEK.name, "fp8_block",
+                               *(t.name for t in REPACK_TARGETS), "int8", "int4")))
 """the names `--to` and a recipe's quantize.format take (int4's group from group_size)"""
 _BY_NAME = {t.name: t for t in TARGETS} | {a: t for t in TARGETS for a in t.aliases}
 

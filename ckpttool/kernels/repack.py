@@ -28,10 +28,10 @@ FP8_MAX = 448.0
 class Inexact(ValueError):
     """A value the target format cannot hold exactly: (block row, block column) of the run given."""
 
-    def __init__(self, block: tuple[int, int], value: float, scale_exp: int):
+    def __init__(self, block: tuple[int, int], value: float, scale_exp: int, why: str = ""):
         self.block, self.value, self.scale_exp = block, value, scale_exp
-        super().__init__(f"block {list(block)} holds {value!r}, which FP8 e4m3 with the block's scale "
-                         f"2**{scale_exp} cannot represent exactly")
+        super().__init__(f"block {list(block)} " + (why or f"holds {value!r}, which FP8 e4m3 with the block's scale "
+                                                         f"2**{scale_exp} cannot represent exactly"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,3 +94,48 @@ def fp8_codes(values: np.ndarray, exps: np.ndarray, block: tuple[int, int]) -> n
         i, j = (int(v) for v in np.argwhere(bad)[0])
         raise Inexact((i // b0, j // b1), float(values[i, j]), int(exps[i // b0, j // b1]))
     return (idx.astype(np.uint8) | np.where(np.signbit(q), np.uint8(0x80), np.uint8(0))).astype(np.uint8)
+
+
+def _grid(scale: np.ndarray, block: tuple[int, int], shape: tuple[int, int]) -> np.ndarray:
+    """A per-block array repeated over each block's elements, cut to `shape`."""
+    return np.repeat(np.repeat(scale, block[0], 0)[: shape[0]], block[1], 1)[:, : shape[1]]
+
+
+def is_pow2(x: np.ndarray) -> np.ndarray:
+    m, _ = np.frexp(x)
+    return m == 0.5
+
+
+def fp8_regroup_pow2(codes: np.ndarray, scale: np.ndarray, src: tuple[int, int], dst: tuple[int, int]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """FP8 codes under power-of-two scales of `src` blocks -> (codes, scale exponents) of `dst` blocks, each scale
+    DeepSeek's ue8m0 rule of the block's exact values. A source scale that is not a power of two is refused."""
+    if not is_pow2(scale).all():
+        i, j = (int(v) for v in np.argwhere(~is_pow2(scale))[0])
+        raise Inexact((i * src[0] // dst[0], j * src[1] // dst[1]), float(scale[i, j]), 0,
+                      f"has a source scale {float(scale[i, j])!r}, not a power of two (scale_fmt ue8m0 says it is)")
+    values = fp8_values("F8_E4M3")[codes.view(np.uint8)] * _grid(scale.astype(np.float32), src, codes.shape)
+    exps = block_exponents(values, dst)
+    return fp8_codes(values, exps, dst), exps
+
+
+def fp8_regroup_float(codes: np.ndarray, scale: np.ndarray, src: tuple[int, int], dst: tuple[int, int]
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """FP8 codes under float scales of `src` blocks -> (codes, F32 scales) of `dst` blocks: each new scale the
+    largest source scale its block covers, each code rescaled by its source scale's ratio to it, which must be a
+    power of two leaving the code an e4m3 value (splitting a block: ratio 1, the codes unchanged)."""
+    shape = codes.shape
+    grid = _grid(scale.astype(np.float32), src, shape)
+    new = np.abs(_blocks(grid, dst)).max(axis=(1, 3)).astype(np.float32)
+    ratio = grid / _grid(new, dst, shape)
+    q = fp8_values("F8_E4M3")[codes.view(np.uint8)] * ratio
+    table = _positive_e4m3()
+    mag = np.abs(q)
+    idx = np.minimum(np.searchsorted(table, mag), len(table) - 1)
+    bad = (table[idx] != mag) | (~is_pow2(ratio) & (mag != 0))
+    if bad.any():
+        i, j = (int(v) for v in np.argwhere(bad)[0])
+        raise Inexact((i // dst[0], j // dst[1]), float(q[i, j]), 0,
+                      f"mixes source scales whose ratio {float(ratio[i, j])!r} is not a power of two the codes can "
+                      "absorb exactly")
+    return (idx.astype(np.uint8) | np.where(np.signbit(q), np.uint8(0x80), np.uint8(0))).astype(np.uint8), new

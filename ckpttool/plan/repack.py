@@ -7,6 +7,8 @@ the plan (and every later reader) resolves the output with.
 DeepSeek-V4 as published (`quant_method: fp8`, `scale_fmt: ue8m0`, `expert_dtype: fp4`): the MXFP4 routed experts
 become FP8 e4m3 with E8M0 scales in the checkpoint's own `weight_block_size` blocks (128x128; V4.1: 32x32), the
 layout its other projections already have, and `expert_dtype` becomes `fp8`: Hopper's kernels for every weight.
+FP8 blocks of one size become another's (`--to fp8-32x32`, `fp8-128x128`: DeepSeek-V4 <-> V4.1's blocks), and
+`weight_block_size` says so.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from ckpttool.errors import PlanError
 from ckpttool.formats import declared_rules
 from ckpttool.formats.outputs import Target
-from ckpttool.formats.repack import codes_row, repackable, scale_row, scale_shape
+from ckpttool.formats.repack import block_of, codes_row, repackable, scale_row, scale_shape
 from ckpttool.formats.resolve import members_of
 from ckpttool.plan.dequant import Rules, matches
 from ckpttool.plan.types import TensorPlan
@@ -25,18 +27,27 @@ def repack(tensors: list[TensorPlan], rules: Rules, target: Target, config: dict
     """(tensors, the rules of the output's config, that config's quantization_config or None where nothing was
     repacked, how many weights were repacked)."""
     found = {v: m for v, m in matches(tensors, rules).items() if repackable(m.row)}
-    if not found:
-        return tensors, rules, None, 0
     quant = config.get("quantization_config") or {}
-    if not target.repacks_to_fp8_blocks:
+    if found and not target.repacks_to_fp8_blocks:
         first = next(iter(found.values()))
         raise PlanError(f"{first.row.title} weights do not repack exactly into {target.name}", tensor=first.values,
-                        fix="repack them with --to fp8-block-deepseek, or dequantize the checkpoint first")
-    if quant.get("quant_method") != "fp8" or quant.get("expert_dtype") != "fp4" or quant.get("scale_fmt") != "ue8m0":
-        raise PlanError("MXFP4 experts repack into the FP8 blocks of a DeepSeek-V4 config (quant_method fp8, "
-                        f"scale_fmt ue8m0, expert_dtype fp4); this one says {quant!r}", file=source,
-                        fix="dequantize the checkpoint instead (ckpttool dequant)")
-    block = tuple(quant.get("weight_block_size") or (128, 128))
+                        fix="repack them with --to fp8-block-deepseek, fp8-32x32 or fp8-128x128, or dequantize the "
+                            "checkpoint first")
+    if not target.repacks_to_fp8_blocks:
+        return tensors, rules, None, 0
+    block = tuple(target.repack_block or quant.get("weight_block_size") or (128, 128))
+    found = {v: m for v, m in found.items() if block_of(m.row) != block}
+    if not found:
+        if target.repack_only:
+            raise PlanError(f"nothing to repack into {target.name}: no MXFP4 experts or FP8 blocks of another size",
+                            file=source, fix="quantize a BF16 checkpoint with --to fp8-block-deepseek instead")
+        return tensors, rules, None, 0
+    experts = any(block_of(m.row) is None for m in found.values())
+    if quant.get("quant_method") != "fp8" or (experts and (quant.get("expert_dtype") != "fp4"
+                                                           or quant.get("scale_fmt") != "ue8m0")):
+        raise PlanError("ckpttool repacks the FP8 blocks and MXFP4 experts of a transformers FP8 config "
+                        "(quant_method fp8; MXFP4 experts under scale_fmt ue8m0, expert_dtype fp4); this one says "
+                        f"{quant!r}", file=source, fix="dequantize the checkpoint instead (ckpttool dequant)")
     dtypes = {t.name: t.dtype for t in tensors}
     beside = members_of(found) - set(found)
     out = []
@@ -53,5 +64,5 @@ def repack(tensors: list[TensorPlan], rules: Rules, target: Target, config: dict
                            sides=m.sides))
         out.append(t.with_(name=scale, dtype=dtypes[scale], shape=scale_shape(shape, block),
                            transform=scale_row(*block, m.row.name, t.name).name, sides=m.sides))
-    quant = {**quant, "expert_dtype": "fp8"}
+    quant = {**quant, "weight_block_size": list(block), **({"expert_dtype": "fp8"} if experts else {})}
     return out, declared_rules(quant, None, source), quant, len(found)
