@@ -43,12 +43,20 @@ EMBEDDING_LEAVES = ("embed_tokens", "tok_embeddings", "wte", "wpe", "word_embedd
 
 @dataclass(frozen=True, slots=True)
 class Output:
-    """One tensor a row writes per weight `X.weight`: `X.<leaf>`, its dtype (None: the weight's) and shape."""
+    """One tensor a row writes per weight `X.weight`: `X.<leaf>`, its dtype (None: the weight's) and shape, and
+    how it streams (formats/outputs_stream.py): each of its rows made from `per_row` rows of the weight, in runs of
+    `align` of its rows; `per_row` 0: made from the weight's shape alone; None: from the whole weight at once."""
 
     leaf: str
     dtype: str | None
     shape: Callable[[int, int], tuple[int, ...]]
     transform: str  # the plan's name for it (TensorPlan.transform), unique over the table
+    per_row: int | None = None
+    align: int = 1
+
+    def transform_for(self, rows: int, cols: int) -> str:
+        """The plan's transform name for a [rows, cols] weight (an output made from the shape alone says it)."""
+        return f"{self.transform}:{rows}x{cols}" if self.per_row == 0 else self.transform
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +78,8 @@ class Target:
 
     def __post_init__(self):
         for out in self.outputs:
-            self.transforms[out.transform] = (lambda leaf: lambda w: self.compute(w)[leaf])(out.leaf)
+            if out.per_row is None:  # the others are rows the executor streams (formats/outputs_stream.py)
+                self.transforms[out.transform] = (lambda leaf: lambda w: self.compute(w)[leaf])(out.leaf)
 
 
 # -- compressed-tensors --------------------------------------------------------------------------------
@@ -121,12 +130,12 @@ def _pack_int(bits: int, symmetric: bool) -> Callable[[torch.Tensor], dict]:
 
 
 def _pack_int_target(name: str, bits: int, symmetric: bool, title: str) -> Target:
-    outs = [Output("weight_packed", "I32", lambda r, c: (r, c * bits // 32), f"quantize:{name}:packed"),
-            Output("weight_scale", None, lambda r, c: (r, c // 128), f"quantize:{name}:scale"),
-            Output("weight_shape", "I64", lambda r, c: (2,), f"quantize:{name}:shape")]
-    if not symmetric:
+    outs = [Output("weight_packed", "I32", lambda r, c: (r, c * bits // 32), f"quantize:{name}:packed", 1),
+            Output("weight_scale", None, lambda r, c: (r, c // 128), f"quantize:{name}:scale", 1),
+            Output("weight_shape", "I64", lambda r, c: (2,), f"quantize:{name}:shape", 0)]
+    if not symmetric:  # packed along the rows: 32 / bits of them a word
         outs.append(Output("weight_zero_point", "I32", lambda r, c: (-(-r * bits // 32), c // 128),
-                           f"quantize:{name}:zero_point"))
+                           f"quantize:{name}:zero_point", 32 // bits))
     return Target(name=name, title=title, outputs=tuple(outs), compute=_pack_int(bits, symmetric),
                   refuses=_divides(title, 128), config=_ct_config({"weights": _int_weights(bits, symmetric)},
                                                                   "pack-quantized"),
@@ -176,8 +185,8 @@ CT_TARGETS = (
     _pack_int_target("w4a16-asym", 4, False, "compressed-tensors W4A16_ASYM (INT4 with zero points, group 128)"),
     _pack_int_target("w8a16", 8, True, "compressed-tensors W8A16 (INT8, group 128)"),
     Target(name="fp8-channel", title="compressed-tensors FP8_DYNAMIC (FP8 per output channel)",
-           outputs=(Output("weight", "F8_E4M3", lambda r, c: (r, c), "quantize:fp8-channel:weight"),
-                    Output("weight_scale", None, lambda r, c: (r, 1), "quantize:fp8-channel:scale")),
+           outputs=(Output("weight", "F8_E4M3", lambda r, c: (r, c), "quantize:fp8-channel:weight", 1),
+                    Output("weight_scale", None, lambda r, c: (r, 1), "quantize:fp8-channel:scale", 1)),
            compute=_fp8("channel"), refuses=lambda r, c: None,
            config=_ct_config({"weights": {**_FP8_WEIGHTS, "strategy": "channel"},
                               "input_activations": {"dynamic": True, "group_size": None, "num_bits": 8,
@@ -185,8 +194,9 @@ CT_TARGETS = (
                              "float-quantized"),
            library="compressed-tensors 0.20 `FloatQuantizationCompressor`"),
     Target(name="fp8-block", title="compressed-tensors FP8_BLOCK (FP8, 128x128 blocks)",
-           outputs=(Output("weight", "F8_E4M3", lambda r, c: (r, c), "quantize:fp8-block:weight"),
-                    Output("weight_scale", None, lambda r, c: (r // BLOCK, c // BLOCK), "quantize:fp8-block:scale")),
+           outputs=(Output("weight", "F8_E4M3", lambda r, c: (r, c), "quantize:fp8-block:weight", 1, BLOCK),
+                    Output("weight_scale", None, lambda r, c: (r // BLOCK, c // BLOCK), "quantize:fp8-block:scale",
+                           BLOCK)),
            compute=_fp8("block"), refuses=_both(_divides("FP8_BLOCK", BLOCK), _divides("FP8_BLOCK", BLOCK, "rows")),
            config=_ct_config({"weights": {**_FP8_WEIGHTS, "block_structure": [BLOCK, BLOCK], "strategy": "block"},
                               "input_activations": {"dynamic": True, "group_size": BLOCK, "num_bits": 8,
@@ -202,8 +212,8 @@ CT_TARGETS = (
                                           "strategy": "tensor_group"}}, "nvfp4-pack-quantized"),
            library="compressed-tensors 0.20 `NVFP4PackedCompressor`"),
     Target(name="mxfp4", title="compressed-tensors MXFP4A16 (FP4 E2M1, E8M0 scale per 32)",
-           outputs=(Output("weight_packed", "U8", lambda r, c: (r, c // 2), "quantize:mxfp4:packed"),
-                    Output("weight_scale", "U8", lambda r, c: (r, c // 32), "quantize:mxfp4:scale")),
+           outputs=(Output("weight_packed", "U8", lambda r, c: (r, c // 2), "quantize:mxfp4:packed", 1),
+                    Output("weight_scale", "U8", lambda r, c: (r, c // 32), "quantize:mxfp4:scale", 1)),
            compute=_fp4(True), refuses=_divides("MXFP4", 32),
            config=_ct_config({"weights": {**_FP4_WEIGHTS, "group_size": 32, "scale_dtype": "torch.uint8",
                                           "strategy": "group"}}, "mxfp4-pack-quantized"),
@@ -235,8 +245,8 @@ def _gpt_fast_config(fmt: str, group_size: int | None) -> Callable[[dict, list[s
 
 FP8_BLOCK_DEEPSEEK = Target(
     name="fp8-block-deepseek", aliases=("fp8_block",), title="DeepSeek FP8 128x128 blocks",
-    outputs=(Output("weight", "F8_E4M3", lambda r, c: (r, c), "quantize_fp8_block"),
-             Output("weight_scale_inv", "F32", lambda r, c: scale_shape((r, c)), "quantize_fp8_block_scale")),
+    outputs=(Output("weight", "F8_E4M3", lambda r, c: (r, c), "quantize_fp8_block", 1, BLOCK),
+             Output("weight_scale_inv", "F32", lambda r, c: scale_shape((r, c)), "quantize_fp8_block_scale", BLOCK)),
     compute=lambda w: dict(zip(("weight", "weight_scale_inv"), quantize_fp8_block(w))), refuses=lambda r, c: None,
     config=_deepseek_config, mp=True, library="DeepSeek-V3's reference `act_quant` block scaling",
     repacks_to_fp8_blocks=True)
@@ -258,8 +268,8 @@ def _repack_target(b: int) -> Target:
 REPACK_TARGETS = (_repack_target(128), _repack_target(32))
 INT8 = Target(
     name="int8", title="gpt-fast int8 per channel",
-    outputs=(Output("weight", "I8", lambda r, c: (r, c), "quantize_int8"),
-             Output("scales", None, lambda r, c: (r,), "quantize_int8_scales")),
+    outputs=(Output("weight", "I8", lambda r, c: (r, c), "quantize_int8", 1),
+             Output("scales", None, lambda r, c: (r,), "quantize_int8_scales", 1)),
     compute=lambda w: dict(zip(("weight", "scales"), quantize_int8_per_channel(w))), refuses=lambda r, c: None,
     config=_gpt_fast_config("int8", None), mp_refusal="gpt-fast's layouts are HF layout only",
     library="gpt-fast `WeightOnlyInt8Linear`")
@@ -272,7 +282,7 @@ def _int4(group: int) -> Target:
 
     return Target(
         name=f"int4_g{group}", title=f"gpt-fast int4 (group {group})",
-        outputs=(Output("weight", "U8", lambda r, c: (r, c // 2), f"quantize_int4_g{group}"),
+        outputs=(Output("weight", "U8", lambda r, c: (r, c // 2), f"quantize_int4_g{group}", 1),
                  Output("scales_and_zeros", "BF16", lambda r, c: (c // group, r, 2),
                         f"quantize_int4_g{group}_scales_and_zeros")),
         compute=compute, refuses=_both(_divides("int4", group), _divides("int4", 2)),

@@ -16,6 +16,7 @@ from ckpttool.errors import PlanError
 from ckpttool.families.base import Family
 from ckpttool.formats import FP8_DTYPES, QUANTIZE_TRANSFORMS, with_leaf
 from ckpttool.formats.outputs import FORMATS, Target, ignored_modules, target
+from ckpttool.formats.outputs_stream import is_streamed
 from ckpttool.plan.types import TensorPlan
 
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -71,13 +72,13 @@ def quantize(tensors: list[TensorPlan], family: Family, cfg, fmt: str, group_siz
                                 if fmt != "int4" else "choose a group_size dividing the input features")
         for o in row.outputs:
             out.append(t.with_(name=with_leaf(t.name, o.leaf), dtype=o.dtype or t.dtype, shape=o.shape(rows, cols),
-                               transform=o.transform))
+                               transform=o.transform_for(rows, cols)))
     return out
 
 
 def count_quantized(tensors: list[TensorPlan]) -> int:
     """How many weights the stage quantized (each is several output tensors)."""
-    return len({t.source for t in tensors if t.transform in QUANTIZE_TRANSFORMS})
+    return len({t.source for t in tensors if t.transform in QUANTIZE_TRANSFORMS or is_streamed(t.transform)})
 
 
 def unquantized_linears(before: list[TensorPlan], after: list[TensorPlan]) -> list[str]:
