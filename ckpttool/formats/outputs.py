@@ -64,7 +64,9 @@ class Target:
     name: str
     title: str
     outputs: tuple[Output, ...]
-    compute: Callable[[torch.Tensor], dict[str, torch.Tensor]]  # the whole weight -> each output by leaf
+    compute: Callable[..., dict[str, torch.Tensor]]
+    """(weight rows, leaf=None) -> the outputs by leaf: all of them, or at least `leaf` (what its task needs:
+    a scale's task computes no codes)"""
     refuses: Callable[[int, int], str | None]  # why a [rows, cols] weight cannot be written, or None
     config: Callable[[dict, list[str]], dict]  # (config.json, modules left unquantized) -> the output's
     mp: bool = False  # shard can cut the output per rank (the mp layout has a companion for its scale)
@@ -79,7 +81,7 @@ class Target:
     def __post_init__(self):
         for out in self.outputs:
             if out.per_row is None:  # the others are rows the executor streams (formats/outputs_stream.py)
-                self.transforms[out.transform] = (lambda leaf: lambda w: self.compute(w)[leaf])(out.leaf)
+                self.transforms[out.transform] = (lambda leaf: lambda w: self.compute(w, leaf)[leaf])(out.leaf)
 
 
 # -- compressed-tensors --------------------------------------------------------------------------------
@@ -114,11 +116,17 @@ def _int_weights(bits: int, symmetric: bool) -> dict:
             "type": "int"}
 
 
-def _pack_int(bits: int, symmetric: bool) -> Callable[[torch.Tensor], dict]:
-    def compute(w: torch.Tensor) -> dict:
+def _pack_int(bits: int, symmetric: bool) -> Callable[..., dict]:
+    def compute(w: torch.Tensor, leaf: str | None = None) -> dict:
         import torch
 
+        if leaf == "weight_shape":
+            return {leaf: torch.tensor(list(w.shape), dtype=torch.int64)}
         scale, zero = quant_ct.qparams(*quant_ct.min_max(w, "group", 128), kind="int", bits=bits, symmetric=symmetric)
+        if leaf == "weight_scale":
+            return {leaf: scale}
+        if leaf == "weight_zero_point":
+            return {leaf: quant_ct.pack_to_int32(zero, bits, packed_dim=0)}
         q = quant_ct.quantize_grouped(w, scale, None if symmetric else zero, 128, kind="int", bits=bits,
                                       dtype=torch.int8)
         out = {"weight_packed": quant_ct.pack_to_int32(q, bits), "weight_scale": scale,
@@ -146,32 +154,41 @@ def _pack_int_target(name: str, bits: int, symmetric: bool, title: str) -> Targe
 _FP8_WEIGHTS = {"dynamic": False, "group_size": None, "num_bits": 8, "symmetric": True, "type": "float"}
 
 
-def _fp8(strategy: str) -> Callable[[torch.Tensor], dict]:
-    def compute(w: torch.Tensor) -> dict:
+def _fp8(strategy: str) -> Callable[..., dict]:
+    def compute(w: torch.Tensor, leaf: str | None = None) -> dict:
         import torch
 
+        stats = quant_ct.min_max(w, "channel") if strategy == "channel" else \
+            quant_ct.min_max(w, "block", block=(BLOCK, BLOCK))
+        scale, _ = quant_ct.qparams(*stats, kind="float", bits=8)
+        if leaf == "weight_scale":
+            return {leaf: scale}
         if strategy == "channel":
-            scale, _ = quant_ct.qparams(*quant_ct.min_max(w, "channel"), kind="float", bits=8)
             q = quant_ct.quantize(w, scale, None, kind="float", bits=8, dtype=torch.float8_e4m3fn)
         else:
-            scale, _ = quant_ct.qparams(*quant_ct.min_max(w, "block", block=(BLOCK, BLOCK)), kind="float", bits=8)
             q = quant_ct.quantize_blocks(w, scale, (BLOCK, BLOCK), kind="float", bits=8, dtype=torch.float8_e4m3fn)
         return {"weight": q, "weight_scale": scale}
     return compute
 
 
-def _fp4(mx: bool) -> Callable[[torch.Tensor], dict]:
-    def compute(w: torch.Tensor) -> dict:
+def _fp4(mx: bool) -> Callable[..., dict]:
+    def compute(w: torch.Tensor, leaf: str | None = None) -> dict:
         import torch
 
         if mx:
             scale, _ = quant_ct.qparams(*quant_ct.min_max(w, "group", 32), kind="float", bits=4,
                                         scale_dtype=torch.uint8, mx=True)
+            if leaf == "weight_scale":
+                return {leaf: quant_ct.mx_scale_code(scale)}
             q = quant_ct.quantize_grouped(w, scale, None, 32, kind="float", bits=4, dtype=None)
             return {"weight_packed": quant_ct.pack_fp4(q), "weight_scale": quant_ct.mx_scale_code(scale)}
         gs = quant_ct.global_scale_fp4(w)
+        if leaf == "weight_global_scale":
+            return {leaf: gs}
         scale, _ = quant_ct.qparams(*quant_ct.min_max(w, "group", 16), kind="float", bits=4,
                                     scale_dtype=torch.float8_e4m3fn, global_scale=gs)
+        if leaf == "weight_scale":
+            return {leaf: scale.to(torch.float8_e4m3fn)}
         q = quant_ct.quantize_grouped(w, scale, None, 16, kind="float", bits=4, dtype=None, global_scale=gs)
         return {"weight_packed": quant_ct.pack_fp4(q), "weight_scale": scale.to(torch.float8_e4m3fn),
                 "weight_global_scale": gs}
@@ -247,7 +264,8 @@ FP8_BLOCK_DEEPSEEK = Target(
     name="fp8-block-deepseek", aliases=("fp8_block",), title="DeepSeek FP8 128x128 blocks",
     outputs=(Output("weight", "F8_E4M3", lambda r, c: (r, c), "quantize_fp8_block", 1, BLOCK),
              Output("weight_scale_inv", "F32", lambda r, c: scale_shape((r, c)), "quantize_fp8_block_scale", BLOCK)),
-    compute=lambda w: dict(zip(("weight", "weight_scale_inv"), quantize_fp8_block(w))), refuses=lambda r, c: None,
+    compute=lambda w, leaf=None: dict(zip(("weight", "weight_scale_inv"), quantize_fp8_block(w))),
+    refuses=lambda r, c: None,
     config=_deepseek_config, mp=True, library="DeepSeek-V3's reference `act_quant` block scaling",
     repacks_to_fp8_blocks=True)
 
@@ -256,7 +274,7 @@ def _repack_target(b: int) -> Target:
     def refuses(rows: int, cols: int) -> str:
         return f"fp8-{b}x{b} repacks FP8 blocks and MXFP4 experts exactly; it does not quantize float weights"
 
-    def compute(w):
+    def compute(w, leaf=None):
         raise ValueError(refuses(0, 0))
 
     return Target(name=f"fp8-{b}x{b}", title=f"FP8 {b}x{b} blocks, repacked exactly", outputs=(), compute=compute,
@@ -270,13 +288,14 @@ INT8 = Target(
     name="int8", title="gpt-fast int8 per channel",
     outputs=(Output("weight", "I8", lambda r, c: (r, c), "quantize_int8", 1),
              Output("scales", None, lambda r, c: (r,), "quantize_int8_scales", 1)),
-    compute=lambda w: dict(zip(("weight", "scales"), quantize_int8_per_channel(w))), refuses=lambda r, c: None,
+    compute=lambda w, leaf=None: dict(zip(("weight", "scales"), quantize_int8_per_channel(w))),
+    refuses=lambda r, c: None,
     config=_gpt_fast_config("int8", None), mp_refusal="gpt-fast's layouts are HF layout only",
     library="gpt-fast `WeightOnlyInt8Linear`")
 
 
 def _int4(group: int) -> Target:
-    def compute(w: torch.Tensor) -> dict:
+    def compute(w: torch.Tensor, leaf: str | None = None) -> dict:
         q, scales_and_zeros = quantize_int4_grouped(w, group)
         return {"weight": pack_int4(q), "scales_and_zeros": scales_and_zeros}
 

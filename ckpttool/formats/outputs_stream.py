@@ -52,14 +52,14 @@ def _row(target: Target, out: Output, shape: tuple[int, int] | None) -> QuantFor
         if shape is not None:
             return np.asarray(shape, dtype=np.int64)
         with torch.no_grad():
-            return _as_rows(target.compute(_torch_rows(c))[out.leaf])
+            return _as_rows(target.compute(_torch_rows(c), out.leaf)[out.leaf])
 
     def cuda(c: Chunk, out_dtype):
         import torch
 
         if shape is not None:
             return torch.tensor(shape, dtype=torch.int64, device=c.values.device), None
-        return target.compute(c.values)[out.leaf].contiguous(), None
+        return target.compute(c.values, out.leaf)[out.leaf].contiguous(), None
 
     def example(dev) -> Chunk:
         import torch
