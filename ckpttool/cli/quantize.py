@@ -32,7 +32,8 @@ ToOpt = Annotated[str, typer.Option(
     "--to", help="Output format: " + ", ".join(FORMATS) + " (README \"Output formats\" says what each writes).")]
 GroupOpt = Annotated[int, typer.Option("--group-size", help="int4 (gpt-fast) only: 32, 64, 128 or 256.")]
 MpOpt = Annotated[Optional[int], typer.Option(
-    "--mp", min=1, help="Also shard into model{i}-mp{N} files (fp8-block-deepseek only; the others are refused).")]
+    "--mp", min=1, help="Also shard into model{i}-mp{N} files (fp8-block-deepseek from BF16 only; the others are "
+                        "refused by name).")]
 
 
 def quantize(src: Src, dst: Dst, to: ToOpt, group_size: GroupOpt = 128, mp: MpOpt = None, keep_mtp: KeepMtp = None,
@@ -47,6 +48,10 @@ def quantize(src: Src, dst: Dst, to: ToOpt, group_size: GroupOpt = 128, mp: MpOp
 
     compressed-tensors (vLLM, SGLang, transformers): w4a16, w4a16-asym, w8a16, fp8-channel, fp8-block, nvfp4a16,
     mxfp4; DeepSeek's FP8 blocks: fp8-block-deepseek (alias fp8_block); gpt-fast's int8 / int4.
+
+    A quantized SRC is repacked exactly instead, never through BF16 and never rounding a value (a block it cannot
+    hold is refused by name): MXFP4 experts (DeepSeek-V4) into FP8 blocks with fp8-block-deepseek, fp8-32x32 or
+    fp8-128x128; FP8 blocks of one size into the other with fp8-32x32 / fp8-128x128.
 
     Example: ckpttool quantize ./Qwen3-8B ./Qwen3-8B-w4a16 --to w4a16
     """
