@@ -187,3 +187,126 @@ def test_repack_only_targets_refuse_float_weights_and_nothing_to_do(tiny_llama, 
     assert "--to fp8-block-deepseek" in proc.stderr  # the fix: the target that quantizes float weights
     proc = run_cli("quantize", tiny_v3, tmp_path / "b", "--to", "fp8-128x128", check=False)
     assert proc.returncode != 0 and "nothing to repack" in proc.stderr
+
+
+# -- NVFP4 between ModelOpt and compressed-tensors ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def nvfp4(tmp_path_factory) -> dict:
+    """A tiny llama in ModelOpt's NVFP4 (its NVFP4QTensor on every projection, hf_quant_config.json) and in
+    compressed-tensors' (ckpttool's --to nvfp4a16, the library's bytes)."""
+    from dense_models import build_hf
+    from quant_builders import LINEAR, quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("nvfp4")
+    spec = dict(cls="LlamaForCausalLM", config="LlamaConfig", vocab_size=256, hidden_size=256, intermediate_size=512,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                max_position_embeddings=64, tie_word_embeddings=False)
+    bf16 = build_hf("llama", root / "bf16", seed=9, spec=spec)
+    made = quantize_checkpoint(bf16, root / "modelopt", "modelopt_nvfp4", LINEAR)
+    run_cli("quantize", bf16, root / "ct", "--to", "nvfp4a16", "--quiet")
+    return {"bf16": bf16, "modelopt": root / "modelopt", "ct": root / "ct", "made": made}
+
+
+def test_modelopt_nvfp4_repacks_to_compressed_tensors_and_back(nvfp4, tmp_path):
+    """ModelOpt -> compressed-tensors: the same codes (ModelOpt's +0.0 code re-spelled), the same F8_E4M3 scales,
+    a per-tensor scale under which every value dequantizes to the source's BF16: ckpttool's dequant byte for byte,
+    and compressed-tensors' own decompress of each weight equal to ModelOpt's own dequantize of the source. And back
+    to ModelOpt, the same BF16 again."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from quant_builders import modelopt_decompress
+
+    src = nvfp4["modelopt"]
+    run_cli("quantize", src, tmp_path / "ct", "--to", "nvfp4a16", "--quiet")
+    assert not (tmp_path / "ct" / "hf_quant_config.json").exists()
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "nvfp4-pack-quantized"
+    before, after = _all(src), _all(tmp_path / "ct")
+    assert not any(n.endswith(("input_scale", "weight_scale_2")) for n in after)
+    compressor = BaseCompressor.get_value_from_registry("nvfp4-pack-quantized")
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    for name, shape in nvfp4["made"].items():
+        base = name[: -len("weight")]
+        assert torch.equal(after[base + "weight_scale"].view(torch.uint8), before[base + "weight_scale"].view(torch.uint8))
+        local = {leaf: after[base + leaf] for leaf in ("weight_packed", "weight_scale", "weight_global_scale")}
+        ours = compressor.decompress(local, scheme)["weight"].to(torch.bfloat16)
+        theirs = modelopt_decompress({k: before[base + k] for k in ("weight", "weight_scale", "weight_scale_2")}, shape)
+        assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16)), name
+    for out in ("ct", "back"):
+        if out == "back":
+            run_cli("quantize", tmp_path / "ct", tmp_path / "back", "--to", "modelopt-nvfp4", "--quiet")
+            back = json.loads((tmp_path / "back" / "config.json").read_text())["quantization_config"]
+            assert back["quant_method"] == "modelopt" and back["quant_algo"] == "W4A16_NVFP4"
+        run_cli("dequant", tmp_path / out, tmp_path / f"{out}-bf16", "--quiet")
+    run_cli("dequant", src, tmp_path / "src-bf16", "--quiet")
+    for out in ("ct", "back"):
+        a, b = _all(tmp_path / "src-bf16"), _all(tmp_path / f"{out}-bf16")
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)), (out, k)
+
+
+def test_compressed_tensors_nvfp4_repacks_to_modelopt_with_its_zero(nvfp4, tmp_path):
+    """compressed-tensors -> ModelOpt: every value the same, but a -0.0 (compressed-tensors' code 8) is +0.0 in
+    ModelOpt, whose format has no negative zero; transformers generates on the compressed-tensors checkpoint what
+    it generates on its BF16 dequantization."""
+    import transformers
+
+    src = nvfp4["ct"]
+    run_cli("quantize", src, tmp_path / "mo", "--to", "modelopt-nvfp4", "--quiet")
+    run_cli("dequant", src, tmp_path / "a", "--quiet")
+    run_cli("dequant", tmp_path / "mo", tmp_path / "b", "--quiet")
+    a, b = _all(tmp_path / "a"), _all(tmp_path / "b")
+    negative_zeros = 0
+    for k in a:
+        same = a[k].view(torch.int16) == b[k].view(torch.int16)
+        nz = (a[k] == 0) & torch.signbit(a[k].float())
+        assert torch.equal(a[k].float(), b[k].float()) and bool((same | nz).all()), k
+        negative_zeros += int(nz.sum())
+    assert negative_zeros  # the case is exercised
+
+    def greedy(path):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        with torch.no_grad():
+            return model.generate(torch.tensor([[3, 17, 42, 99]]), max_new_tokens=6, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0].tolist()
+    assert greedy(src) == greedy(tmp_path / "a")
+
+
+def _unservable_global(codes: np.ndarray) -> np.float32:
+    """A compressed-tensors global scale for which no ModelOpt per-tensor scale gives these codes' BF16/F16 values."""
+    for g in np.random.default_rng(3).uniform(10, 3000, 400).astype(np.float32):
+        if repack.nvfp4_global(codes, "compressed-tensors", g, "modelopt")[0] is None:
+            return g
+    raise AssertionError("every global scale tried can be served")
+
+
+def test_nvfp4_per_tensor_scale_that_no_scale_serves_is_refused_by_tensor_and_block(nvfp4, tmp_path):
+    """Where a weight's per-tensor scale admits no other-library scale that keeps every value's BF16 and F16 (the
+    two libraries round the block scale differently: one divides, the other multiplies), the run is refused naming
+    the tensor, the scale code and its first block; nothing is published. Where one is found, every byte pair
+    dequantizes the same (checked here over all 256 bytes of each used scale code)."""
+    from ckpttool.kernels.nvfp4_cpu import table
+
+    tensors, file_of = load_all(nvfp4["ct"])
+    name = next(n for n in tensors if n.endswith("down_proj.weight_scale"))
+    codes = tensors[name].view(torch.uint8).numpy()
+    g = _unservable_global(codes)
+    for trial in np.random.default_rng(4).uniform(10, 3000, 40).astype(np.float32):
+        x, _ = repack.nvfp4_global(codes, "compressed-tensors", trial, "modelopt")
+        if x is None:
+            continue
+        used = np.unique(codes)
+        for out in ("BF16", "F16"):
+            a = table("compressed-tensors", float(trial), out).reshape(256, 256)[used]
+            b = table("modelopt", float(x), out).reshape(256, 256)[used]
+            lo = np.arange(256) & 0x7  # compare the non-zero magnitudes of both nibbles
+            both = ((lo != 0)[None, :] & ((np.arange(256) >> 4 & 0x7) != 0)[None, :])
+            assert np.array_equal(a[:, both[0]], b[:, both[0]]), (trial, out)
+    tensors[name.replace("weight_scale", "weight_global_scale")] = torch.tensor([g], dtype=torch.float32)
+    write_like(nvfp4["ct"], tmp_path / "odd", tensors, file_of)
+    proc = run_cli("quantize", tmp_path / "odd", tmp_path / "out", "--to", "modelopt-nvfp4", check=False)
+    weight = name.replace("weight_scale", "weight_packed")
+    assert proc.returncode != 0 and "cannot repack exactly" in proc.stderr and "first at block [" in proc.stderr
+    assert weight in proc.stderr
+    assert not (tmp_path / "out").exists() or not any(p.suffix == ".safetensors" for p in (tmp_path / "out").iterdir())

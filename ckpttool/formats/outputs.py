@@ -76,6 +76,7 @@ class Target:
     repacks_to_fp8_blocks: bool = False  # quantized weights with an exact repack into FP8 blocks take it (plan/repack.py)
     repack_block: tuple[int, int] | None = None  # the blocks a repack writes (None: the config's weight_block_size)
     repack_only: bool = False  # takes quantized checkpoints only (`refuses` says so for a float weight)
+    repacks_nvfp4_from: str | None = None  # the other library's NVFP4 row whose weights repack into this one
     transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -227,7 +228,7 @@ CT_TARGETS = (
            compute=_fp4(False), refuses=_divides("NVFP4", 16),
            config=_ct_config({"weights": {**_FP4_WEIGHTS, "group_size": 16, "scale_dtype": "torch.float8_e4m3fn",
                                           "strategy": "tensor_group"}}, "nvfp4-pack-quantized"),
-           library="compressed-tensors 0.20 `NVFP4PackedCompressor`"),
+           library="compressed-tensors 0.20 `NVFP4PackedCompressor`", repacks_nvfp4_from="modelopt_nvfp4"),
     Target(name="mxfp4", title="compressed-tensors MXFP4A16 (FP4 E2M1, E8M0 scale per 32)",
            outputs=(Output("weight_packed", "U8", lambda r, c: (r, c // 2), "quantize:mxfp4:packed", 1),
                     Output("weight_scale", "U8", lambda r, c: (r, c // 32), "quantize:mxfp4:scale", 1)),
@@ -283,7 +284,27 @@ def _repack_target(b: int) -> Target:
                   library="transformers' FP8 blocks (`weight_block_size`), DeepSeek-V4 and V4.1")
 
 
-REPACK_TARGETS = (_repack_target(128), _repack_target(32))
+def _modelopt_config(config: dict, ignored: list[str]) -> dict:
+    """ModelOpt's W4A16_NVFP4 as its export's convert_hf_quant_config_format puts it in config.json (no
+    hf_quant_config.json: ckpttool writes no file of its own name there; readers take either)."""
+    config = dict(config)
+    config["quantization_config"] = {
+        "config_groups": {"group_0": {"weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+                                      "targets": ["Linear"]}},
+        "ignore": ignored, "quant_algo": "W4A16_NVFP4", "quant_method": "modelopt"}
+    return config
+
+
+def _modelopt_refuses(rows: int, cols: int) -> str:
+    return "modelopt-nvfp4 repacks compressed-tensors NVFP4 exactly; it does not quantize float weights"
+
+
+MODELOPT_NVFP4_TARGET = Target(
+    name="modelopt-nvfp4", title="NVIDIA ModelOpt W4A16_NVFP4, repacked exactly", outputs=(),
+    compute=lambda w, leaf=None: (_ for _ in ()).throw(ValueError(_modelopt_refuses(0, 0))),
+    refuses=_modelopt_refuses, config=_modelopt_config, mp_refusal="NVFP4's groups are not cut per rank",
+    repack_only=True, repacks_nvfp4_from="ct_nvfp4", library="nvidia-modelopt 0.47's NVFP4 export")
+REPACK_TARGETS = (_repack_target(128), _repack_target(32), MODELOPT_NVFP4_TARGET)
 INT8 = Target(
     name="int8", title="gpt-fast int8 per channel",
     outputs=(Output("weight", "I8", lambda r, c: (r, c), "quantize_int8", 1),

@@ -28,7 +28,9 @@ import numpy as np
 from ckpttool.errors import InputError
 from ckpttool.formats.blocks import FP8_BLOCK, mxfp4_experts_row
 from ckpttool.formats.fp8 import block_row
-from ckpttool.formats.row import WHOLE, Chunk, QuantFormat
+from ckpttool.formats.compressed import CT_NVFP4
+from ckpttool.formats.modelopt import MODELOPT_NVFP4
+from ckpttool.formats.row import WHOLE, Chunk, Name, QuantFormat, Side
 from ckpttool.kernels import repack
 
 WHOLE_TENSOR = 1 << 40
@@ -171,6 +173,11 @@ def named(name: str) -> QuantFormat | None:
     if kind != "repack":
         return None
     part, _, rest = rest.partition(":")
+    if part == "nvfp4-codes":
+        return nvfp4_codes_row(rest) if rest in NVFP4_ROWS else None
+    if part == "nvfp4-global":
+        source, at, tensor = rest.partition("@")
+        return nvfp4_global_row(source, tensor) if source in NVFP4_ROWS and at else None
     size, _, source = rest.partition(":")
     b0, _, b1 = size.partition("x")
     if not (b0.isdigit() and b1.isdigit() and int(b0) > 0 and int(b1) > 0) or \
@@ -180,3 +187,55 @@ def named(name: str) -> QuantFormat | None:
         return codes_row(int(b0), int(b1), source)
     source, at, tensor = source.partition("@")
     return scale_row(int(b0), int(b1), source, tensor) if part == "scale" and at else None
+
+
+# -- NVFP4 between its two libraries ------------------------------------------------------------------------
+NVFP4_ROWS = {"modelopt_nvfp4": (MODELOPT_NVFP4, "modelopt", "weight", "weight_scale_2", ()),
+              "ct_nvfp4": (CT_NVFP4, "compressed-tensors", "weight_packed", "weight_global_scale", (1,))}
+"""row name -> (row, the variant kernels/nvfp4_cpu.py names, values leaf, per-tensor scale leaf, its shape): the
+same E2M1 codes and F8_E4M3 scales, the per-tensor scale multiplying (ModelOpt) or dividing (compressed-tensors)"""
+
+
+def nvfp4_other(row: QuantFormat) -> str | None:
+    """The other library's row name for an NVFP4 row, or None."""
+    return next((n for n in NVFP4_ROWS if n != row.name), None) if row.name in NVFP4_ROWS else None
+
+
+@functools.lru_cache(maxsize=None)
+def nvfp4_codes_row(source: str) -> QuantFormat:
+    src, _, _, _, _ = NVFP4_ROWS[source]
+    to = NVFP4_ROWS[nvfp4_other(src)][1]
+
+    def cpu(c: Chunk, out: str, into) -> np.ndarray:
+        return repack.nvfp4_codes(np.asarray(c.values), to)
+
+    return replace(src, name=f"repack:nvfp4-codes:{source}", title=f"{src.title} -> {to} NVFP4 codes",
+                   out_shape=lambda s: tuple(s), row_align=1, cpu=cpu, cpu_into=False, cuda=_via_cpu(cpu),
+                   companion=None)
+
+
+@functools.lru_cache(maxsize=None)
+def nvfp4_global_row(source: str, tensor: str) -> QuantFormat:
+    """The other library's per-tensor scale, made from the weight's F8_E4M3 scales (the values read) and its
+    per-tensor scale (the side); refused, naming the tensor and the first block, where none gives the same bits."""
+    src, variant, _, global_leaf, _ = NVFP4_ROWS[source]
+    _, to_variant, _, _, shape = NVFP4_ROWS[nvfp4_other(src)]
+
+    def cpu(c: Chunk, out: str, into) -> np.ndarray:
+        codes = np.asarray(c.values).view(np.uint8)
+        x, bad = repack.nvfp4_global(codes, variant, c.global_scale, to_variant)
+        if x is None:
+            where = np.argwhere(codes == bad)[0]
+            raise InputError(f"cannot repack exactly: no {to_variant} per-tensor scale gives scale code {bad:#04x} "
+                             f"(first at block [{int(where[0])}, {int(where[1])}]) the block scale {variant}'s "
+                             f"{global_leaf} {c.global_scale!r} gives it", tensor=tensor,
+                             fix="keep the checkpoint in its format, or dequantize it; ckpttool never rounds a value "
+                                 "in a repack")
+        return np.asarray(x, dtype=np.float32).reshape(shape)
+
+    return QuantFormat(
+        name=f"repack:nvfp4-global:{source}@{tensor}", title=f"{src.title} -> {to_variant} per-tensor scale",
+        values=Name("weight_scale"), value_dtypes=("F8_E4M3",), sides=(Side("global", Name(global_leaf), ("F32",)),),
+        check=lambda *a: None, out_shape=lambda s: shape, row_align=WHOLE_TENSOR,
+        source_span=lambda r0, r1, s: (0, 0, s[0]), cpu=cpu, cuda=_via_cpu(cpu), example=src.example,
+        keepable=False, check_global=src.check_global)

@@ -139,3 +139,52 @@ def fp8_regroup_float(codes: np.ndarray, scale: np.ndarray, src: tuple[int, int]
                       f"mixes source scales whose ratio {float(ratio[i, j])!r} is not a power of two the codes can "
                       "absorb exactly")
     return (idx.astype(np.uint8) | np.where(np.signbit(q), np.uint8(0x80), np.uint8(0))).astype(np.uint8), new
+
+
+# -- NVFP4: ModelOpt (S2 multiplies) <-> compressed-tensors (G divides) -----------------------------------------
+def nvfp4_codes(packed: np.ndarray, to_variant: str) -> np.ndarray:
+    """E2M1 bytes for the other library: the same codes, but ModelOpt's code 8 (its +0.0) becomes code 0 for
+    compressed-tensors, whose code 8 is -0.0. (Into ModelOpt the bytes stay: its code 8 is +0.0, so a
+    compressed-tensors -0.0 becomes +0.0, the one value ModelOpt's format cannot hold.)"""
+    b = packed.view(np.uint8)
+    if to_variant != "compressed-tensors":
+        return b.copy()
+    lo, hi = b & 0x0F, b >> 4
+    lo = np.where(lo == 8, 0, lo)
+    hi = np.where(hi == 8, 0, hi)
+    return (lo | (hi << 4)).astype(np.uint8)
+
+
+def _nvfp4_outputs(variant: str, g: float, used: np.ndarray) -> np.ndarray:
+    """Each used scale code's seven non-zero E2M1 magnitudes dequantized as the variant's library does (one fp32
+    multiply by its block scale), rounded to BF16 and to F16: uint16 [len(used), 14]."""
+    from ckpttool.kernels.fp8_cpu import round_to_bf16
+    from ckpttool.kernels.nvfp4_cpu import block_scales
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        f32 = (E2M1[1:][None, :] * block_scales(variant, g)[used][:, None]).astype(np.float32)
+        bf16 = np.empty(f32.shape, dtype=np.uint16)
+        round_to_bf16(f32, bf16, np.empty(f32.shape, dtype=np.uint32))
+        return np.concatenate([bf16, f32.astype(np.float16).view(np.uint16)], axis=1)
+
+
+def nvfp4_global(codes: np.ndarray, src_variant: str, src_global: float, dst_variant: str
+                 ) -> tuple[np.float32, None] | tuple[None, int]:
+    """The other library's per-tensor scale under which every value of the weight dequantizes to the same BF16 and
+    F16 as the source's (its fp32 block scale may differ in the last bit: one library divides by the per-tensor
+    scale, the other multiplies by its inverse): (scale, None), or (None, the first scale code no candidate
+    serves). Candidates: 1 / the source's, then its float32 neighbours, nearest first."""
+    used = np.unique(codes.view(np.uint8))
+    used = used[(used & 0x7F) != 0x7F]
+    want = _nvfp4_outputs(src_variant, src_global, used)
+    first = np.float32(1.0 / np.float64(src_global))
+    up, down = first, first
+    worst = None
+    for k in range(65):
+        for x in ((first,) if k == 0 else (up, down)):
+            bad = np.flatnonzero((_nvfp4_outputs(dst_variant, float(x), used) != want).any(axis=1))
+            if not bad.size:
+                return np.float32(x), None
+            worst = int(used[bad[0]]) if worst is None else worst
+        up, down = np.nextafter(up, np.float32(np.inf)), np.nextafter(down, np.float32(0))
+    return None, worst

@@ -68,9 +68,9 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     rules = _declared_rules(ckpt)
     planned = dequant_stage.check_scales(tensors, ckpt, rules)
     _check_against_config(tensors, family, cfg, ckpt, rules, planned)
-    repacked, repacked_quant = 0, None
+    repacked, repacked_quant, not_copied = 0, None, ()
     if spec.quantize is not None:  # quantized weights with an exact repack into the target take it
-        tensors, rules, repacked_quant, repacked = repack_stage.repack(
+        tensors, rules, repacked_quant, repacked, not_copied = repack_stage.repack(
             tensors, rules, quantize_stage.target_of(spec.quantize, spec.group_size), ckpt.config, config_path)
     if not spec.dequant and not (repacked and spec.mp is None):  # a repack's HF output keeps what it does not repack
         dequant_stage.refuse_kept(tensors, rules, config_path)
@@ -121,7 +121,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         config = quantize_stage.quantized_config(config, spec.quantize, spec.group_size, unquantized,
                                                   repacked_quant)
     copies = [c for c in files_to_copy(ckpt.root, ckpt.top_level_files())
-              if not (spec.dequant and c == HF_QUANT_CONFIG)]
+              if not (spec.dequant and c == HF_QUANT_CONFIG) and c not in not_copied]
     return Plan(src=str(ckpt.root), files=files, inputs=input_fingerprints(ckpt), format=fmt, index=index,
                 config=config, copies=copies, notes=notes)
 
