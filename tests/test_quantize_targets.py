@@ -164,3 +164,34 @@ def test_moe_routers_and_head_stay_and_are_ignored_in_the_config(tmp_path):
             return model.generate(torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)[0].tolist()
     assert greedy(tmp_path / "w4") == greedy(tmp_path / "bf16")
+
+
+def test_a_tied_head_is_ignored_as_the_library_ignores_it(tmp_path):
+    """tie_word_embeddings: no lm_head tensor is stored, but transformers' model has the Linear module, and the
+    library lists it in `ignore`; so does ckpttool (from the family's key table), bytes and config alike."""
+    spec = dict(cls="LlamaForCausalLM", config="LlamaConfig", vocab_size=256, hidden_size=256, intermediate_size=512,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                max_position_embeddings=64, tie_word_embeddings=True)
+    src = build_hf("llama", tmp_path / "tied", seed=2, spec=spec)
+    lib = compress_model(src, tmp_path / "lib", "w8a16")
+    run_cli("quantize", src, tmp_path / "ours", "--to", "w8a16", "--quiet")
+    ours = json.loads((tmp_path / "ours" / "config.json").read_text())["quantization_config"]
+    assert ours == json.loads((lib / "config.json").read_text())["quantization_config"]
+    assert ours["ignore"] == ["lm_head"]
+    a, b = _tensors(tmp_path / "ours"), _tensors(lib)
+    assert sorted(a) == sorted(b) and all(_bytes(a[k]) == _bytes(b[k]) for k in b)
+
+
+def test_the_recipe_stage_writes_what_the_command_writes(outputs, llama, tmp_path):
+    """`quantize: {format: mxfp4}` in a recipe is the command's preset: the same files."""
+    ours, _ = outputs("mxfp4")
+    recipe = tmp_path / "q.yaml"
+    recipe.write_text("name: q\nstages:\n  - quantize: {format: mxfp4}\n")
+    run_cli("run", recipe, "-i", llama, "-o", tmp_path / "out", "--quiet")
+    for f in ours.glob("*.safetensors"):
+        assert f.read_bytes() == (tmp_path / "out" / f.name).read_bytes()
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads((ours / "config.json").read_text())
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: q\nstages:\n  - quantize: {format: w3a16}\n")
+    proc = run_cli("run", bad, "-i", llama, "-o", tmp_path / "x", check=False)
+    assert proc.returncode != 0 and "w4a16" in proc.stderr  # the schema lists the formats

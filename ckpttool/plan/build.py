@@ -98,7 +98,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         unquantized = tensors
         tensors = quantize_stage.quantize(tensors, family, cfg, spec.quantize, spec.group_size,
                                           {t.name: str(ckpt.root / t.file) for t in tensors}, repacked)
-        unquantized = quantize_stage.unquantized_linears(unquantized, tensors)
+        unquantized = quantize_stage.unquantized_linears(unquantized, tensors, family, cfg)
         notes.append(f"quantized {quantize_stage.count_quantized(tensors)} weights to {spec.quantize}" +
                      (f", repacked {repacked} exactly" if repacked else ""))
 

@@ -81,11 +81,18 @@ def count_quantized(tensors: list[TensorPlan]) -> int:
     return len({t.source for t in tensors if t.transform in QUANTIZE_TRANSFORMS or is_streamed(t.transform)})
 
 
-def unquantized_linears(before: list[TensorPlan], after: list[TensorPlan]) -> list[str]:
-    """The modules compressed-tensors' `ignore` lists: 2-D weights the stage passed through (heads, routers)."""
+def unquantized_linears(before: list[TensorPlan], after: list[TensorPlan], family: Family | None = None,
+                        cfg=None) -> list[str]:
+    """The modules compressed-tensors' `ignore` lists: 2-D weights the stage passed through (heads, routers), and
+    the model's Linear modules the checkpoint does not store: a head tied to the embeddings is still a module of
+    transformers' model, which the library lists (the key table's rows that name one tensor, absent here)."""
     kept = {t.name for t in after if t.transform is None}
-    return ignored_modules([t.name for t in before if t.name in kept and t.name.endswith(".weight")
-                            and len(t.shape) == 2])
+    names = [t.name for t in before if t.name in kept and t.name.endswith(".weight") and len(t.shape) == 2]
+    if family is not None:
+        present = {t.name for t in before}
+        names += [r.hf for r in family.keys(cfg).rows if not r.fields and not r.linear and r.companion is None
+                  and r.hf.endswith(".weight") and r.hf not in present]
+    return ignored_modules(names)
 
 
 def quantized_config(config: dict, fmt: str, group_size: int, ignored: list[str], repacked: dict | None = None
