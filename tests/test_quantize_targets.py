@@ -195,3 +195,22 @@ def test_the_recipe_stage_writes_what_the_command_writes(outputs, llama, tmp_pat
     bad.write_text("name: q\nstages:\n  - quantize: {format: w3a16}\n")
     proc = run_cli("run", bad, "-i", llama, "-o", tmp_path / "x", check=False)
     assert proc.returncode != 0 and "w4a16" in proc.stderr  # the schema lists the formats
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp4_rounding_and_packing_are_the_librarys_at_every_threshold(dtype):
+    """kernels/quant_ct.fp4_packed (one bucketize) against compressed-tensors' cast_to_fp4 + pack_fp4_to_uint8 (its
+    CPU forms): each threshold, the floats either side of it, both zeros, the range's ends, and random values."""
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+    from compressed_tensors.quantization.utils.fp4_utils import cast_to_fp4
+
+    from ckpttool.kernels.quant_ct import fp4_packed
+
+    edge = []
+    for v in (0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0):
+        t = torch.tensor([v])
+        for d in (t, torch.nextafter(t, torch.tensor([10.0])), torch.nextafter(t, torch.tensor([-10.0]))):
+            edge += [float(d), -float(d)]
+    x = torch.cat([torch.tensor(edge + [-0.0, 0.0]), torch.randn(4096) * 3]).clamp(-6, 6).to(dtype)
+    x = x[: x.numel() // 2 * 2].reshape(1, -1)
+    assert torch.equal(fp4_packed(x), pack_fp4_to_uint8(cast_to_fp4(x.clone())))

@@ -181,8 +181,8 @@ def _fp4(mx: bool) -> Callable[..., dict]:
                                         scale_dtype=torch.uint8, mx=True)
             if leaf == "weight_scale":
                 return {leaf: quant_ct.mx_scale_code(scale)}
-            q = quant_ct.quantize_grouped(w, scale, None, 32, kind="float", bits=4, dtype=None)
-            return {"weight_packed": quant_ct.pack_fp4(q), "weight_scale": quant_ct.mx_scale_code(scale)}
+            return {"weight_packed": quant_ct.quantize_fp4_grouped(w, scale, 32),
+                    "weight_scale": quant_ct.mx_scale_code(scale)}
         gs = quant_ct.global_scale_fp4(w)
         if leaf == "weight_global_scale":
             return {leaf: gs}
@@ -190,8 +190,8 @@ def _fp4(mx: bool) -> Callable[..., dict]:
                                     scale_dtype=torch.float8_e4m3fn, global_scale=gs)
         if leaf == "weight_scale":
             return {leaf: scale.to(torch.float8_e4m3fn)}
-        q = quant_ct.quantize_grouped(w, scale, None, 16, kind="float", bits=4, dtype=None, global_scale=gs)
-        return {"weight_packed": quant_ct.pack_fp4(q), "weight_scale": scale.to(torch.float8_e4m3fn),
+        return {"weight_packed": quant_ct.quantize_fp4_grouped(w, scale, 16, gs),
+                "weight_scale": scale.to(torch.float8_e4m3fn),
                 "weight_global_scale": gs}
     return compute
 

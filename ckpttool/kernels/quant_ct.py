@@ -208,3 +208,36 @@ def mx_scale_code(scale: torch.Tensor) -> torch.Tensor:
     import torch
 
     return (127 + torch.floor(torch.log2(scale)).to(torch.int32)).to(torch.uint8)
+
+
+def _fp4_bounds():
+    """cast_to_fp4's thresholds as bucketize boundaries: a value <= each goes below it, so the library's strict
+    ones (x < 0.75, x < 1.75, x < 3.5 round down) are the float32 just below."""
+    import torch
+
+    strict = torch.tensor([0.75, 1.75, 3.5], dtype=torch.float32)
+    below = torch.nextafter(strict, torch.zeros_like(strict))
+    return torch.tensor([0.25, float(below[0]), 1.25, float(below[1]), 2.5, float(below[2]), 5.0], dtype=torch.float32)
+
+
+def fp4_packed(t: torch.Tensor) -> torch.Tensor:
+    """pack_fp4(cast_to_fp4(t)) for finite t in one pass: E2M1 magnitude index by bucketize against the library's
+    thresholds, its sign bit that of `magnitude * sign(t)` as the library multiplies: set for t < 0 (a negative value
+    rounding to zero is -0.0), clear for -0.0 itself (sign(-0.0) is 0); two codes a byte, the even column low. tests/test_quantize_targets.py holds it to the library's path."""
+    import torch
+
+    idx = torch.bucketize(t.abs().float(), _fp4_bounds()).to(torch.uint8)
+    codes = idx | ((t < 0).to(torch.uint8) << 3)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def quantize_fp4_grouped(w: torch.Tensor, scale: torch.Tensor, group: int,
+                         global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """quantize_and_pack_fp4's bytes: forward._quantize's division and clamp in its dtypes, then fp4_packed."""
+    import torch
+
+    x, s = w.unflatten(-1, (-1, group)), scale.unsqueeze(-1)
+    if global_scale is not None:
+        s = s / global_scale
+    t = torch.clamp(x / s, -FP4_MAX, FP4_MAX)
+    return fp4_packed(t.flatten(start_dim=-2))
