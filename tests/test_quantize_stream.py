@@ -6,7 +6,6 @@ tests/test_quantize_targets.py). Peak memory does not grow with the model's size
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
@@ -34,7 +33,7 @@ def llama(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", STREAMED + ("nvfp4a16", "int4"))
 def test_runs_of_a_few_rows_write_the_bytes_of_the_whole_tensor(llama, fmt, tmp_path):
-    whole = convert(llama, tmp_path / "whole", Spec(quantize=fmt), ExecOptions(quiet=True, workers=1))
+    convert(llama, tmp_path / "whole", Spec(quantize=fmt), ExecOptions(quiet=True, workers=1))
     runs = convert(llama, tmp_path / "runs", Spec(quantize=fmt), ExecOptions(quiet=True, workers=3, chunk_bytes=2048))
     chunks = sum(v for k, v in runs.timings.to_json().get("counts", {}).items() if k.startswith("chunks_by_cpu"))
     if fmt in STREAMED:  # 7 weights, 2 streamed outputs each, every one in 2 runs or more (FP8 blocks: 128 rows)

@@ -227,7 +227,8 @@ def test_modelopt_nvfp4_repacks_to_compressed_tensors_and_back(nvfp4, tmp_path):
     scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
     for name, shape in nvfp4["made"].items():
         base = name[: -len("weight")]
-        assert torch.equal(after[base + "weight_scale"].view(torch.uint8), before[base + "weight_scale"].view(torch.uint8))
+        scale = base + "weight_scale"
+        assert torch.equal(after[scale].view(torch.uint8), before[scale].view(torch.uint8))
         local = {leaf: after[base + leaf] for leaf in ("weight_packed", "weight_scale", "weight_global_scale")}
         ours = compressor.decompress(local, scheme)["weight"].to(torch.bfloat16)
         theirs = modelopt_decompress({k: before[base + k] for k in ("weight", "weight_scale", "weight_scale_2")}, shape)

@@ -22,7 +22,8 @@ Each dequant transform works on a run of dim-0 rows of its source, so the execut
 tensor in bounded chunks: `row_align` is the smallest run it can take (an FP8 scale covers 128 rows),
 and `scale_rows` says which rows of the scale tensor those source rows need.
 
-The quantize stage's output formats are the second table: formats/outputs.py (re-exported at the end).
+The quantize stage's output formats are the second table: formats/outputs.py (outputs_stream.py the rows of
+those that stream; repack.py the exact repacks between quantized formats).
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ from collections.abc import Mapping
 from typing import Callable
 
 from ckpttool.errors import InputError
-from ckpttool.formats import awq, bnb, compressed, compressed_config, foreign, fp8, gptq, modelopt, outputs_stream, repack
+from ckpttool.formats import (awq, bnb, compressed, compressed_config, foreign, fp8, gptq, modelopt, outputs_stream,
+                              repack)
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
 from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
 from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
+from ckpttool.formats.outputs import CKPTTOOL_QUANTIZATION, FP8_QUANTIZATION_CONFIG  # noqa: F401 - re-exported
+from ckpttool.formats.outputs import FORMATS as QUANTIZE_FORMATS  # noqa: F401 - re-exported
+from ckpttool.formats.outputs import QUANTIZE_TRANSFORMS  # noqa: F401 - re-exported
 from ckpttool.kernels.fp8 import BLOCK, FP8_DTYPES  # noqa: F401 - FP8_DTYPES re-exported
 
 DEQUANT_FORMATS: tuple[QuantFormat, ...] = (FP8_BLOCK, MXFP4, *compressed.ROWS, *modelopt.ROWS, *bnb.ROWS)
@@ -121,13 +126,6 @@ def declares_fp8_block(quant: object, source: object) -> bool:
     return True
 
 
-# -- the quantize stage's outputs: formats/outputs.py's table --------------------------------------------
-from ckpttool.formats.outputs import (  # noqa: E402,F401 - re-exported
-    CKPTTOOL_QUANTIZATION,
-    FP8_QUANTIZATION_CONFIG,
-    QUANTIZE_TRANSFORMS,
-)
-from ckpttool.formats.outputs import FORMATS as QUANTIZE_FORMATS  # noqa: E402,F401 - re-exported
-
+# -- the quantize stage's outputs: formats/outputs.py's table (imported above), and the names describe reads --
 INT8_SCALES = "scales"  # gpt-fast's WeightOnlyInt8Linear: X.scales [M], the source dtype (describe counts them)
 INT4_SCALES_AND_ZEROS = "scales_and_zeros"  # gpt-fast's int4: X.scales_and_zeros BF16 [N/g, M, 2]

@@ -73,7 +73,8 @@ class Target:
     mp_refusal: str = "its scales are not laid out per rank"
     aliases: tuple[str, ...] = ()
     library: str = ""  # what defines the bytes (README's table)
-    repacks_to_fp8_blocks: bool = False  # quantized weights with an exact repack into FP8 blocks take it (plan/repack.py)
+    repacks_to_fp8_blocks: bool = False  # quantized weights with an exact repack into FP8 blocks take it
+    # (plan/repack.py)
     repack_block: tuple[int, int] | None = None  # the blocks a repack writes (None: the config's weight_block_size)
     repack_only: bool = False  # takes quantized checkpoints only (`refuses` says so for a float weight)
     repacks_nvfp4_from: str | None = None  # the other library's NVFP4 row whose weights repack into this one

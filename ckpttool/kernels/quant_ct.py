@@ -155,7 +155,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, *,
 
 def quantize_grouped(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int, **kw):
     """_process_group: [M, N] against [M, N/group] scales."""
-    out = quantize(w.unflatten(-1, (-1, group)), scale.unsqueeze(-1), None if zero is None else zero.unsqueeze(-1), **kw)
+    zero = None if zero is None else zero.unsqueeze(-1)
+    out = quantize(w.unflatten(-1, (-1, group)), scale.unsqueeze(-1), zero, **kw)
     return out.flatten(start_dim=-2)
 
 
@@ -223,7 +224,8 @@ def _fp4_bounds():
 def fp4_packed(t: torch.Tensor) -> torch.Tensor:
     """pack_fp4(cast_to_fp4(t)) for finite t in one pass: E2M1 magnitude index by bucketize against the library's
     thresholds, its sign bit that of `magnitude * sign(t)` as the library multiplies: set for t < 0 (a negative value
-    rounding to zero is -0.0), clear for -0.0 itself (sign(-0.0) is 0); two codes a byte, the even column low. tests/test_quantize_targets.py holds it to the library's path."""
+    rounding to zero is -0.0), clear for -0.0 itself (sign(-0.0) is 0); two codes a byte, the even column low.
+    tests/test_quantize_targets.py holds it to the library's path."""
     import torch
 
     idx = torch.bucketize(t.abs().float(), _fp4_bounds()).to(torch.uint8)
