@@ -3,9 +3,10 @@
 A row (`Target`) says which tensors it writes beside (or instead of) `X.weight`: their leaves, dtypes and
 shapes; how it computes them from the BF16/F16/F32 weight (torch, kernels/quant_ct.py for compressed-tensors,
 kernels/fp8.py and kernels/quant.py for DeepSeek's blocks and gpt-fast's layouts); which weight shapes it
-refuses and why; the `quantization_config` it writes; and whether `shard` can cut its output per rank. The
-planner (plan/quantize.py), the executor (`QUANTIZE_TRANSFORMS`, each planned tensor's transform by name) and
-the CLI's `--to` choices read this table; nothing else names a format.
+refuses and why; the `quantization_config` it writes; whether `shard` can cut its output per rank; and which
+exact repacks of an already quantized checkpoint it takes (plan/repack.py). The planner (plan/quantize.py), the
+executor (each planned tensor's transform by name: streamed rows through formats/outputs_stream.py, whole-tensor
+ones through `QUANTIZE_TRANSFORMS`) and the CLI's `--to` choices read this table; nothing else names a format.
 
   w4a16, w4a16-asym, w8a16   compressed-tensors pack-quantized INT4/INT8, groups of 128 (presets W4A16,
                              W4A16_ASYM, W8A16)
@@ -14,6 +15,8 @@ the CLI's `--to` choices read this table; nothing else names a format.
   nvfp4a16, mxfp4            compressed-tensors nvfp4-pack-quantized (NVFP4A16) / mxfp4-pack-quantized (MXFP4A16)
   fp8-block-deepseek         DeepSeek-V3's FP8 128x128 blocks with F32 `weight_scale_inv` (alias fp8_block)
   int8, int4                 gpt-fast's weight-only layouts (no engine loads them; config.json says so)
+  fp8-32x32, fp8-128x128,    repacks only: FP8 blocks of that size from MXFP4 experts or FP8 blocks of another
+  modelopt-nvfp4             size; ModelOpt NVFP4 from compressed-tensors' (nvfp4a16 takes ModelOpt's the other way)
 
 The compressed-tensors rows write what the library's own `ModelCompressor.compress_model` writes for the same
 weights under that preset with min-max statistics and no calibration data, byte for byte, and its
@@ -21,7 +24,6 @@ weights under that preset with min-max statistics and no calibration data, byte 
 """
 
 from __future__ import annotations
-
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
