@@ -311,3 +311,24 @@ def test_nvfp4_per_tensor_scale_that_no_scale_serves_is_refused_by_tensor_and_bl
     assert proc.returncode != 0 and "cannot repack exactly" in proc.stderr and "first at block [" in proc.stderr
     assert weight in proc.stderr
     assert not (tmp_path / "out").exists() or not any(p.suffix == ".safetensors" for p in (tmp_path / "out").iterdir())
+
+
+def test_the_scale_row_names_the_tensors_block_whichever_slab_it_is_in(monkeypatch):
+    """The scale row reads the whole weight once and regroups it in slabs of whole blocks (bounded temporaries):
+    a refused block is named by its place in the tensor, not in its slab; the slabs' scales are the whole's."""
+    from ckpttool.errors import InputError
+    from ckpttool.formats import BY_NAME, Chunk
+    from ckpttool.formats import repack as rows
+
+    rng = np.random.default_rng(5)
+    packed = rng.integers(0, 256, (512, 64), dtype=np.uint8)
+    e8m0 = rng.integers(120, 126, (512, 4), dtype=np.uint8)
+    row = BY_NAME["repack:scale:128x128:mxfp4_experts:scale@layers.0.ffn.experts.3.w1.weight"]
+    chunk = Chunk(packed.view(np.int8), "I8", {"scale": e8m0}, {"scale": "U8"})
+    whole = row.cpu(chunk, "U8", None)
+    monkeypatch.setattr(rows, "SLAB_VALUES", 128 * 128)  # one block row a slab
+    assert np.array_equal(row.cpu(chunk, "U8", None), whole) and whole.shape == (4, 1)
+    e8m0[300, 1] = 90
+    packed[300, 16:32] = 0x11
+    with pytest.raises(InputError, match=r"block \[2, 0\].*experts\.3\.w1\.weight"):
+        row.cpu(Chunk(packed.view(np.int8), "I8", {"scale": e8m0}, {"scale": "U8"}), "U8", None)

@@ -35,6 +35,8 @@ from ckpttool.kernels import repack
 
 WHOLE_TENSOR = 1 << 40
 """row_align of the scale row: one run covers every row, so block indices it reports are the tensor's"""
+SLAB_VALUES = 4 << 20
+"""values the scale row regroups at once (in slabs of whole blocks, so its temporaries stay bounded)"""
 
 
 
@@ -143,19 +145,28 @@ def scale_row(b0: int, b1: int, source: str, tensor: str) -> QuantFormat:
     src, block, pow2 = kind.row(args), (b0, b1), kind.pow2(args)
 
     def cpu(c: Chunk, out: str, into) -> np.ndarray:
-        try:
-            _, scale = kind.regroup(args, c, block)
-        except repack.Inexact as exc:
-            raise InputError(f"cannot repack exactly: {exc}", tensor=tensor,
-                             fix="keep this weight in its format (or dequantize it to BF16); ckpttool never rounds "
-                                 "a value in a repack") from None
+        values = np.asarray(c.values)
+        step = math.lcm(b0, kind.align(args))
+        step *= max(1, SLAB_VALUES // max(1, step * values.shape[1]))
+        parts = []
+        for a in range(0, values.shape[0], step):  # slabs of whole blocks: bounded temporaries, one read
+            b = min(a + step, values.shape[0])
+            sides = {s.role: c.sides[s.role][slice(*s.rows(a, b))] for s in src.read_sides if s.role in c.sides}
+            try:
+                parts.append(kind.regroup(args, Chunk(values[a:b], c.dtype, sides, c.side_dtypes), block)[1])
+            except repack.Inexact as exc:
+                raise InputError(f"cannot repack exactly: {exc.moved(a // b0)}", tensor=tensor,
+                                 fix="keep this weight in its format (or dequantize it to BF16); ckpttool never "
+                                     "rounds a value in a repack") from None
+        scale = np.concatenate(parts, axis=0)
         if not pow2:
             return scale.astype(np.float32)
         if out in ("F8_E8M0", "U8"):
             return (scale + 127).astype(np.uint8)
         return np.ldexp(np.float32(1.0), scale).astype(np.float32)  # F32 powers of two (DeepSeek-V3.1)
 
-    sides = tuple(replace(s, read=WHOLE, rows=lambda r0, r1, s=s: s.rows(r0 * b0, r1 * b0)) for s in src.sides)
+    sides = tuple(replace(s, read=WHOLE, rows=lambda r0, r1, s=s: s.rows(r0 * b0, r1 * b0)) if s in src.read_sides
+                  else s for s in src.sides)
     return replace(src, name=f"repack:scale:{b0}x{b1}:{source}@{tensor}",
                    title=f"{src.title} -> FP8 {b0}x{b1} scales (exact)", sides=sides,
                    out_shape=lambda s: scale_shape(src.out_shape(s), block), row_align=WHOLE_TENSOR,

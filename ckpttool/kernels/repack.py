@@ -28,8 +28,12 @@ FP8_MAX = 448.0
 class Inexact(ValueError):
     """A value the target format cannot hold exactly: (block row, block column) of the run given."""
 
+    def moved(self, rows: int) -> "Inexact":
+        """The same, `rows` block rows further down (the run began there)."""
+        return Inexact((self.block[0] + rows, self.block[1]), self.value, self.scale_exp, self.why)
+
     def __init__(self, block: tuple[int, int], value: float, scale_exp: int, why: str = ""):
-        self.block, self.value, self.scale_exp = block, value, scale_exp
+        self.block, self.value, self.scale_exp, self.why = block, value, scale_exp, why
         super().__init__(f"block {list(block)} " + (why or f"holds {value!r}, which FP8 e4m3 with the block's scale "
                                                          f"2**{scale_exp} cannot represent exactly"))
 
