@@ -332,3 +332,21 @@ def test_the_scale_row_names_the_tensors_block_whichever_slab_it_is_in(monkeypat
     packed[300, 16:32] = 0x11
     with pytest.raises(InputError, match=r"block \[2, 0\].*experts\.3\.w1\.weight"):
         row.cpu(Chunk(packed.view(np.int8), "I8", {"scale": e8m0}, {"scale": "U8"}), "U8", None)
+
+
+def test_v4_repacks_into_1x128_blocks(v4, tmp_path):
+    """Hopper's per-row groups of 128 (`weight_block_size: [1, 128]`): experts from MXFP4 and the 128x128 blocks
+    split, every weight dequantizing to the source's BF16 (transformers' Fp8Dequantize of each weight)."""
+    src, scales = v4[128]
+    run_cli("quantize", src, tmp_path / "out", "--to", "fp8-1x128", "--quiet")
+    before, after = _all(src), _all(tmp_path / "out")
+    for name, scale in scales.items():
+        assert after[scale].shape == (after[name].shape[0], -(-after[name].shape[1] // 128)), scale
+        assert torch.equal(fp8_dequantize(after[name], after[scale]).view(torch.int16),
+                           fp8_dequantize(before[name], before[scale]).view(torch.int16)), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["weight_block_size"] == [1, 128] and config["expert_dtype"] == "fp8"
+    run_cli("dequant", src, tmp_path / "a", "--quiet")
+    run_cli("dequant", tmp_path / "out", tmp_path / "b", "--quiet")
+    for f in load_dir(tmp_path / "a"):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f

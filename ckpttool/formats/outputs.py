@@ -16,7 +16,7 @@ ones through `QUANTIZE_TRANSFORMS`) and the CLI's `--to` choices read this table
   fp8-block-deepseek         DeepSeek-V3's FP8 128x128 blocks with F32 `weight_scale_inv` (alias fp8_block)
   int8, int4                 gpt-fast's weight-only layouts (no engine loads them; config.json says so)
   fp8-32x32, fp8-128x128,    repacks only: FP8 blocks of that size from MXFP4 experts or FP8 blocks of another
-  modelopt-nvfp4             size; ModelOpt NVFP4 from compressed-tensors' (nvfp4a16 takes ModelOpt's the other way)
+  fp8-1x128, modelopt-nvfp4  size; ModelOpt NVFP4 from compressed-tensors' (nvfp4a16 takes ModelOpt's the other way)
 
 The compressed-tensors rows write what the library's own `ModelCompressor.compress_model` writes for the same
 weights under that preset with min-max statistics and no calibration data, byte for byte, and its
@@ -274,16 +274,17 @@ FP8_BLOCK_DEEPSEEK = Target(
     repacks_to_fp8_blocks=True)
 
 
-def _repack_target(b: int) -> Target:
+def _repack_target(b0: int, b1: int) -> Target:
     def refuses(rows: int, cols: int) -> str:
-        return f"fp8-{b}x{b} repacks FP8 blocks and MXFP4 experts exactly; it does not quantize float weights"
+        return f"fp8-{b0}x{b1} repacks FP8 blocks and MXFP4 experts exactly; it does not quantize float weights"
 
     def compute(w, leaf=None):
         raise ValueError(refuses(0, 0))
 
-    return Target(name=f"fp8-{b}x{b}", title=f"FP8 {b}x{b} blocks, repacked exactly", outputs=(), compute=compute,
-                  refuses=refuses, config=_deepseek_config, mp=False, mp_refusal="E8M0 block scales are not cut per "
-                  "rank", repacks_to_fp8_blocks=True, repack_block=(b, b), repack_only=True,
+    return Target(name=f"fp8-{b0}x{b1}", title=f"FP8 {b0}x{b1} blocks, repacked exactly", outputs=(),
+                  compute=compute, refuses=refuses, config=_deepseek_config, mp=False,
+                  mp_refusal="E8M0 block scales are not cut per rank", repacks_to_fp8_blocks=True,
+                  repack_block=(b0, b1), repack_only=True,
                   library="transformers' FP8 blocks (`weight_block_size`), DeepSeek-V4 and V4.1")
 
 
@@ -307,7 +308,7 @@ MODELOPT_NVFP4_TARGET = Target(
     compute=lambda w, leaf=None: (_ for _ in ()).throw(ValueError(_modelopt_refuses(0, 0))),
     refuses=_modelopt_refuses, config=_modelopt_config, mp_refusal="NVFP4's groups are not cut per rank",
     repack_only=True, repacks_nvfp4_from="ct_nvfp4", library="nvidia-modelopt 0.47's NVFP4 export")
-REPACK_TARGETS = (_repack_target(128), _repack_target(32), MODELOPT_NVFP4_TARGET)
+REPACK_TARGETS = (_repack_target(128, 128), _repack_target(32, 32), _repack_target(1, 128), MODELOPT_NVFP4_TARGET)
 INT8 = Target(
     name="int8", title="gpt-fast int8 per channel",
     outputs=(Output("weight", "I8", lambda r, c: (r, c), "quantize_int8", 1),
