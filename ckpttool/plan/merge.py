@@ -4,7 +4,8 @@ Planned from the shards' headers and config.json alone, through the same key tab
 (KeyMap.to_hf): each HF tensor is the concatenation of its ranks' slices along the row's split dim;
 replicated tensors come from rank 0, routed experts from the one rank holding them, and KV heads
 replicated over several ranks from the first rank holding each; parts a table passes through (a wrapper's
-vision tower) from rank 0, as they are. Every merged shape is checked against
+vision tower) from rank 0, as they are; a tensor held as segments (`Segment`) is its segments' parts one
+after another. Every merged shape is checked against
 the shapes config.json implies. The plan runs on the same executor, staging, journal and publish as
 every other command (so `--resume`, the memory budget, the manifest and torchrun work as for convert),
 writing HF-layout files in transformers' conventions: `model.safetensors`, or
@@ -19,7 +20,7 @@ from pathlib import Path
 from ckpttool import defaults
 from ckpttool.errors import InputError
 from ckpttool.families.base import HeadSplit
-from ckpttool.families.keymap import EXPERT, RANK0
+from ckpttool.families.keymap import EXPERT, RANK0, Segment
 from ckpttool.families.table import family_for
 from ckpttool.io.checkpoint import ShardFiles, read_config
 from ckpttool.io.layout import find_mp, mp_file
@@ -72,24 +73,42 @@ def plan_merge(shards: ShardFiles, *, max_shard_bytes: int) -> Plan:
     mp = len(headers)
     expected = family.expected_for(cfg, True, n_tensors=sum(len(h.tensors) for h in headers), source=config_path)
 
-    pieces: dict[str, list[tuple[int, str]]] = {}  # HF name -> [(rank, native name)]
-    mapped_of: dict[str, object] = {}
+    pieces: dict[str, dict[int, list[tuple[int, str]]]] = {}  # HF name -> segment -> [(rank, native name)]
+    mapped_of: dict[tuple[str, int], object] = {}
     for rank, header in enumerate(headers):
         for native in header.tensors:
             mapped = family.keys(cfg).to_hf(native)
             if mapped is None:
                 raise InputError(f"not a {family.name} mp tensor name", file=header.path, tensor=native,
                                  fix="merge reads what `ckpttool shard` writes for this config.json's model_type")
-            pieces.setdefault(mapped.name, []).append((rank, native))
-            mapped_of[mapped.name] = mapped
+            segment = mapped.split.index if isinstance(mapped.split, Segment) else 0
+            pieces.setdefault(mapped.name, {}).setdefault(segment, []).append((rank, native))
+            mapped_of[mapped.name, segment] = mapped
 
-    tensors = [_merged_tensor(hf, pieces[hf], mapped_of[hf], headers, expected, cfg, mp)
+    tensors = [_joined(hf, {i: _merged_tensor(hf, found, mapped_of[hf, i], headers, expected, cfg, mp)
+                            for i, found in pieces[hf].items()}, mapped_of[hf, min(pieces[hf])], headers)
                for hf in sorted(pieces, key=_natural)]
     files = _hf_files(tensors, max_shard_bytes)
     copies = sorted(set(files_to_copy(src)) | {"config.json"})
     notes = [f"merged {mp} ranks into {len(tensors)} HF tensors", *shards.notes]
     return Plan(src=str(src), files=files, inputs=input_fingerprints(shards), format="hf",
                 index=hf_index(files, family.buffers) if len(files) > 1 else None, config=None, copies=copies, notes=notes)
+
+
+def _joined(hf: str, segments: dict[int, TensorPlan], mapped, headers: list[SafetensorsFile]) -> TensorPlan:
+    """An HF tensor from its one merged part, or from every segment's parts one after another."""
+    if not isinstance(mapped.split, Segment):
+        return segments[0]
+    merged, dim = [segments[i] for i in sorted(segments)], mapped.split.dim
+    problem = (f"the shards hold segments {sorted(segments)} of it, not each of {list(mapped.split.sizes)}"
+               if sorted(segments) != list(range(len(mapped.split.sizes))) else
+               f"its segments disagree on the dtype ({sorted({t.dtype for t in merged})})"
+               if len({t.dtype for t in merged}) > 1 else None)
+    if problem:
+        raise InputError(problem, file=headers[0].path, tensor=hf,
+                         fix="the shards are incomplete or from different conversions")
+    shape = tuple(sum(t.shape[dim] for t in merged) if d == dim else n for d, n in enumerate(merged[0].shape))
+    return merged[0].with_(shape=shape, parts=tuple(p for t in merged for p in t.parts), concat_dim=dim)
 
 
 def _merged_tensor(hf: str, found: list[tuple[int, str]], mapped, headers: list[SafetensorsFile],
@@ -110,6 +129,11 @@ def _merged_tensor(hf: str, found: list[tuple[int, str]], mapped, headers: list[
     full = tuple(expected[weight])
     if companion is not None:
         full = scale_shape(full, companion.block)
+    if isinstance(split, Segment):  # this segment's own extent: its one range at mp=1
+        length = split.rank_ranges(tuple(expected[weight]), cfg, 1, tensor=found[0][1])[0][1]
+        full = tuple(length if d == split.dim else n for d, n in enumerate(tuple(expected[weight])))
+        if companion is not None:
+            full = scale_shape(full, companion.block)
     infos = {rank: headers[rank].tensors[native] for rank, native in found}
     dtypes = {i.dtype for i in infos.values()}
     rank0, native0 = found[0]
@@ -132,10 +156,10 @@ def _merged_tensor(hf: str, found: list[tuple[int, str]], mapped, headers: list[
             raise InputError(f"routed expert tensor is on ranks {ranks}, expected one", tensor=native0,
                              file=headers[rank0].path)
         parts = (part(ranks[0]),)
-    elif split is None or mp == 1:
+    elif split is None or (mp == 1 and not isinstance(split, Segment)):
         need_all_ranks()
         parts = (part(0),)
-    elif isinstance(split, HeadSplit):
+    elif isinstance(split, (HeadSplit, Segment)):
         need_all_ranks()
         ranges = split.rank_ranges(tuple(expected[weight]), cfg, mp, tensor=native0, file=headers[rank0].path)
         if companion is not None:
