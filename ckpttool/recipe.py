@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ckpttool import defaults
 from ckpttool.errors import RecipeError, did_you_mean
 from ckpttool.families.table import MODEL_TYPES
+from ckpttool.formats.outputs import FORMATS as QUANTIZE_FORMATS
 from ckpttool.plan.build import Spec
 from ckpttool.plan.merge import MergeSpec
 
@@ -49,8 +50,8 @@ class DequantStage(_Strict):
 
 
 class QuantizeStage(_Strict):
-    format: Literal["fp8_block", "int8", "int4"]
-    group_size: Literal[32, 64, 128, 256] = 128  # int4 only
+    format: Literal[QUANTIZE_FORMATS]  # a row of formats/outputs.py (fp8_block: fp8-block-deepseek)
+    group_size: Literal[32, 64, 128, 256] = 128  # int4 only (the compressed-tensors rows: their preset's)
 
 
 class ShardStage(_Strict):
@@ -183,7 +184,7 @@ class Recipe(_Strict):
         return self.spec()
 
 
-PRESET_FLAGS = {"stages.shard.mp": "--mp", "stages.download.max_input_files": "--max-input-files", "stages.merge.max_shard_size": "--max-shard-size",
+PRESET_FLAGS = {"stages.quantize.format": "--to", "stages.quantize.group_size": "--group-size", "stages.shard.mp": "--mp", "stages.download.max_input_files": "--max-input-files", "stages.merge.max_shard_size": "--max-shard-size",
                 "stages.verify.device": "--device", "stages.verify.prompt_ids": "--prompt-ids",
                 "stages.verify.prompt": "--prompt", "execution.max_memory": "--max-memory",
                 "execution.workers": "--workers", "execution.processes": "--processes", "execution.device": "--device"}
@@ -194,7 +195,8 @@ INPUT = "input"
 """verify.reference: the run's own input checkpoint"""
 
 
-def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp: bool | None = None,
+def preset(name: str, *, dequant: bool = False, quantize: dict | None = None, mp: int | None = None,
+           keep_mtp: bool | None = None,
            merge_max_shard_size: str | None = None, verify_device: str | None = None,
            verify_prompt: str | None = None, verify_prompt_ids: list[int] | None = None, max_memory: str | None = None, workers: int | None = None, processes: int | None = None,
            device: str = defaults.DEVICE, max_input_files: int | None = None) -> Recipe:
@@ -206,9 +208,11 @@ def preset(name: str, *, dequant: bool = False, mp: int | None = None, keep_mtp:
         stages.append({"merge": {"max_shard_size": merge_max_shard_size}})
     if dequant:
         stages.append({"dequant": {"dtype": "bf16"}})
+    if quantize is not None:
+        stages.append({"quantize": quantize})
     if mp is not None:
         stages.append({"shard": {"mp": mp}})
-    if not any(kind in s for s in stages for kind in ("merge", "dequant", "shard")):
+    if not any(kind in s for s in stages for kind in ("merge", "dequant", "quantize", "shard")):
         stages.append({"dequant": {"dtype": "bf16"}})
     if verify_device is not None:  # a command's --verify compares with the input it converted, where it fits
         verify = {"device": verify_device, "reference": INPUT, "prompt": verify_prompt, "prompt_ids": verify_prompt_ids}

@@ -5,7 +5,7 @@ from typing import Annotated
 import typer
 
 from ckpttool.version import __version__
-from ckpttool.cli import demo, download, inspect, pipeline, verify
+from ckpttool.cli import demo, download, inspect, pipeline, quantize, verify
 
 app = typer.Typer(
     name="ckpttool",
@@ -40,6 +40,7 @@ COMMANDS = (
     ("dequant", pipeline.dequant),
     ("shard", pipeline.shard),
     ("convert", pipeline.convert),
+    ("quantize", quantize.quantize),
     ("run", pipeline.run),
     ("plan", pipeline.plan),
     ("inspect", inspect.inspect),

@@ -21,6 +21,7 @@ from ckpttool.execute.staging import Staging
 from ckpttool.execute.gather import GatherTask
 from ckpttool.execute.tasks import Task, make_tasks, run_order
 from ckpttool.formats import BY_NAME, QUANTIZE_TRANSFORMS
+from ckpttool.formats.outputs_stream import is_streamed
 from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.plan.types import Plan
 
@@ -154,7 +155,7 @@ def execute(plan: Plan, inputs: ShardFiles, staging: Staging, *, max_memory: int
             pending_bytes, last_commit = 0, time.monotonic()
 
     torch_threads = (_share_torch_threads(workers)
-                     if any(t.transform in QUANTIZE_TRANSFORMS for t in tasks) else None)
+                     if any(t.transform in QUANTIZE_TRANSFORMS or is_streamed(t.transform) for t in tasks) else None)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool") as pool:
         failed = False
         try:
@@ -202,8 +203,9 @@ def _last_run(runs_left: dict[int, int], task) -> bool:
 
 
 def _share_torch_threads(workers: int) -> Callable[[], None]:
-    """Whole-tensor transforms run in torch: share the cores between workers instead of
-    oversubscribing them. Returns the undo. (numpy transforms are one thread per worker anyway.)"""
+    """Quantize transforms run in torch (whole tensors, or the streamed rows of formats/outputs_stream.py): share
+    the cores between workers instead of oversubscribing them. Returns the undo. (numpy transforms are one thread
+    per worker anyway.)"""
     import torch
 
     threads = torch.get_num_threads()

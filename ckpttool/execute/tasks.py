@@ -74,7 +74,10 @@ class Task:
             return max(1, self.rows)
         fmt = BY_NAME[self.transform] if self.transform else None
         align = fmt.row_align if fmt else 1
-        rows = max(1, chunk_bytes // max(self.out_row_bytes(), 1)) // align * align
+        # bounded by what a run reads as well as what it writes (a quantize row's scale output is tiny per row,
+        # the weight rows it reads are not)
+        row_bytes = max(self.out_row_bytes(), self.info.nbytes // max(self.rows, 1), 1)
+        rows = max(1, chunk_bytes // row_bytes) // align * align
         return max(align, rows)
 
     def memory(self, chunk_bytes: int = defaults.CHUNK_BYTES) -> int:

@@ -22,24 +22,25 @@ Each dequant transform works on a run of dim-0 rows of its source, so the execut
 tensor in bounded chunks: `row_align` is the smallest run it can take (an FP8 scale covers 128 rows),
 and `scale_rows` says which rows of the scale tensor those source rows need.
 
-The quantize stage's output formats (fp8_block, int8, int4) are the second table, at the end.
+The quantize stage's output formats are the second table: formats/outputs.py (outputs_stream.py the rows of
+those that stream; repack.py the exact repacks between quantized formats).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from ckpttool.errors import InputError
-from ckpttool.formats import awq, bnb, compressed, compressed_config, foreign, fp8, gptq, modelopt
+from ckpttool.formats import (awq, bnb, compressed, compressed_config, foreign, fp8, gptq, modelopt, outputs_stream,
+                              repack)
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
 from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
 from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
-from ckpttool.kernels.fp8 import BLOCK, FP8_DTYPES, quantize_fp8_block  # noqa: F401 - FP8_DTYPES re-exported
-from ckpttool.kernels.quant import INT4_GROUP_SIZES, pack_int4, quantize_int4_grouped, quantize_int8_per_channel
-
-if TYPE_CHECKING:
-    import torch
+from ckpttool.formats.outputs import CKPTTOOL_QUANTIZATION, FP8_QUANTIZATION_CONFIG  # noqa: F401 - re-exported
+from ckpttool.formats.outputs import FORMATS as QUANTIZE_FORMATS  # noqa: F401 - re-exported
+from ckpttool.formats.outputs import QUANTIZE_TRANSFORMS  # noqa: F401 - re-exported
+from ckpttool.kernels.fp8 import BLOCK, FP8_DTYPES  # noqa: F401 - FP8_DTYPES re-exported
 
 DEQUANT_FORMATS: tuple[QuantFormat, ...] = (FP8_BLOCK, MXFP4, *compressed.ROWS, *modelopt.ROWS, *bnb.ROWS)
 """the rows of fixed parameters; the others are made for a config's (formats/fp8.py: FP8 blocks of any size)"""
@@ -58,7 +59,7 @@ DECLARED_BY: dict[str, Callable[[dict, object], tuple[Rule, ...]]] = {
 """quantization_config's quant_method -> the rules it declares, read as that library reads its config: a row
 each (ModelOpt, which may also speak through hf_quant_config.json, is read before this table)"""
 SUPPORTED_METHODS = (*DECLARED_BY, modelopt.METHOD)
-NAMED = (fp8.named, compressed.named, gptq.named, awq.named, bnb.named)
+NAMED = (fp8.named, compressed.named, gptq.named, awq.named, bnb.named, repack.named, outputs_stream.named)
 """the modules whose rows are made for a config's parameters: each rebuilds a row from the name a plan records"""
 
 
@@ -125,46 +126,6 @@ def declares_fp8_block(quant: object, source: object) -> bool:
     return True
 
 
-# -- the quantize stage's outputs ----------------------------------------------------------------------
-QUANTIZE_FORMATS = ("fp8_block", "int8", "int4")
-CKPTTOOL_QUANTIZATION = "ckpttool_quantization"  # config.json key of int8/int4 outputs (quantized_config)
-INT8_SCALES = "scales"  # gpt-fast's WeightOnlyInt8Linear: X.scales [M], the source dtype
+# -- the quantize stage's outputs: formats/outputs.py's table (imported above), and the names describe reads --
+INT8_SCALES = "scales"  # gpt-fast's WeightOnlyInt8Linear: X.scales [M], the source dtype (describe counts them)
 INT4_SCALES_AND_ZEROS = "scales_and_zeros"  # gpt-fast's int4: X.scales_and_zeros BF16 [N/g, M, 2]
-
-FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                           "weight_block_size": [BLOCK, BLOCK]}
-"""DeepSeek-V3's quantization_config: transformers' FineGrainedFP8 and our dequant read it."""
-
-
-def _int4(group_size: int, part: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    def run(w: torch.Tensor) -> torch.Tensor:
-        q, scales_and_zeros = quantize_int4_grouped(w, group_size)
-        return pack_int4(q) if part == 0 else scales_and_zeros
-    return run
-
-
-QUANTIZE_TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quantize_fp8_block": lambda w: quantize_fp8_block(w)[0],
-    "quantize_fp8_block_scale": lambda w: quantize_fp8_block(w)[1],
-    "quantize_int8": lambda w: quantize_int8_per_channel(w)[0],
-    "quantize_int8_scales": lambda w: quantize_int8_per_channel(w)[1],
-    **{f"quantize_int4_g{g}": _int4(g, 0) for g in INT4_GROUP_SIZES},
-    **{f"quantize_int4_g{g}_scales_and_zeros": _int4(g, 1) for g in INT4_GROUP_SIZES},
-}
-"""Transforms of a whole source tensor (no scale input; outputs not row-aligned with the source:
-quantized values and their block/channel/group scales): read once, applied once (in torch, imported
-only then), pieces narrowed."""
-
-
-def quantized_config(config: dict, fmt: str, group_size: int) -> dict:
-    """fp8_block: DeepSeek's quantization_config, so loaders treat the output as block FP8. int8/int4
-    have no transformers quantizer that reads gpt-fast's layout: they are described under
-    `ckpttool_quantization` instead, which no loader mistakes for a method it knows."""
-    config = dict(config)
-    if fmt == "fp8_block":
-        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
-    else:
-        config.pop("quantization_config", None)
-        config[CKPTTOOL_QUANTIZATION] = {"format": fmt, "scheme": "gpt-fast weight-only",
-                                           **({"group_size": group_size} if fmt == "int4" else {})}
-    return config

@@ -10,11 +10,12 @@ from ckpttool.dtypes import torch_installed
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.base import unstack_experts
 from ckpttool.families.table import family_for
-from ckpttool.formats import CKPTTOOL_QUANTIZATION, HF_QUANT_CONFIG, declared_rules, quantized_config
+from ckpttool.formats import CKPTTOOL_QUANTIZATION, HF_QUANT_CONFIG, declared_rules
 from ckpttool.io.checkpoint import Checkpoint, ShardFiles
 from ckpttool.io.layout import mp_file
 from ckpttool.plan import dequant as dequant_stage
 from ckpttool.plan import quantize as quantize_stage
+from ckpttool.plan import repack as repack_stage
 from ckpttool.plan.rewrite import files_to_copy, floating_dtype, hf_index, rewrite_config
 from ckpttool.plan.shard import shard
 from ckpttool.plan.types import Plan, TensorPlan, layout
@@ -29,7 +30,7 @@ class Spec:
     mp: int | None = None  # None: HF layout (input file names, index); N: model{i}-mp{N}.safetensors
     keep_mtp: bool | None = False  # None: as the layout's reference has them (HF: kept; mp: Family.mtp_in_mp)
     arch: str = "auto"  # a recipe may pin the model_type it was written for
-    quantize: str | None = None  # fp8_block | int8 | int4: quantize linear weights (plan/quantize.py)
+    quantize: str | None = None  # a row of formats/outputs.py (w4a16, fp8-block, ...): quantize linear weights
     group_size: int = 128  # int4 group size
 
     label = "converting"
@@ -67,7 +68,11 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     rules = _declared_rules(ckpt)
     planned = dequant_stage.check_scales(tensors, ckpt, rules)
     _check_against_config(tensors, family, cfg, ckpt, rules, planned)
-    if not spec.dequant:
+    repacked, repacked_quant, not_copied = 0, None, ()
+    if spec.quantize is not None:  # quantized weights with an exact repack into the target take it
+        tensors, rules, repacked_quant, repacked, not_copied = repack_stage.repack(
+            tensors, rules, quantize_stage.target_of(spec.quantize, spec.group_size), ckpt.config, config_path)
+    if not spec.dequant and not (repacked and spec.mp is None):  # a repack's HF output keeps what it does not repack
         dequant_stage.refuse_kept(tensors, rules, config_path)
     notes = [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
     if passed := sum(family.keys(cfg).passes_through(t.name) for t in tensors):
@@ -89,12 +94,13 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
                      "no quantized weights found: tensors are copied unchanged")
 
     if spec.quantize is not None:
-        if spec.mp is not None and spec.quantize != "fp8_block":
-            raise PlanError(f"{spec.quantize} output is HF layout only", fix="drop the shard stage, or use fp8_block")
-        n_before = len(tensors)
+        quantize_stage.check_mp(spec.quantize, spec.group_size, spec.mp)
+        unquantized = tensors
         tensors = quantize_stage.quantize(tensors, family, cfg, spec.quantize, spec.group_size,
-                                          {t.name: str(ckpt.root / t.file) for t in tensors})
-        notes.append(f"quantized {len(tensors) - n_before} weights to {spec.quantize}")
+                                          {t.name: str(ckpt.root / t.file) for t in tensors}, repacked)
+        unquantized = quantize_stage.unquantized_linears(unquantized, tensors, family, cfg)
+        notes.append(f"quantized {quantize_stage.count_quantized(tensors)} weights to {spec.quantize}" +
+                     (f", repacked {repacked} exactly" if repacked else ""))
 
     input_order = sorted(ckpt.files)
     if spec.mp is None:
@@ -112,9 +118,10 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
                             mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not keep_mtp,
                             explicit=family.explicit_config, source=ckpt.root / "config.json")
     if spec.quantize is not None:
-        config = quantized_config(config, spec.quantize, spec.group_size)
+        config = quantize_stage.quantized_config(config, spec.quantize, spec.group_size, unquantized,
+                                                  repacked_quant)
     copies = [c for c in files_to_copy(ckpt.root, ckpt.top_level_files())
-              if not (spec.dequant and c == HF_QUANT_CONFIG)]
+              if not (spec.dequant and c == HF_QUANT_CONFIG) and c not in not_copied]
     return Plan(src=str(ckpt.root), files=files, inputs=input_fingerprints(ckpt), format=fmt, index=index,
                 config=config, copies=copies, notes=notes)
 

@@ -1,42 +1,53 @@
-"""The quantize stage: BF16/F16/F32 linear weights -> FP8 128x128 blocks, int8 per channel or int4 groups.
+"""The quantize stage: BF16/F16/F32 linear weights -> one of the output formats of formats/outputs.py's table.
 
-Plan time: each weight the family calls quantizable (the key table's LINEAR column) becomes two output
-tensors made from the same source by two transforms (the quantized values, and their scales); every
-other tensor passes through. On-disk layout, HF names (README "Output formats"):
-
-| format | `X.weight` | beside it |
-| --- | --- | --- |
-| fp8_block | F8_E4M3 [M, N] | `X.weight_scale_inv` F32 [ceil(M/128), ceil(N/128)] (DeepSeek's) |
-| int8 | I8 [M, N] | `X.scales` [M], the source dtype (gpt-fast's WeightOnlyInt8Linear) |
-| int4 | U8 [M, N/2], two values a byte, low nibble first | `X.scales_and_zeros` BF16 [N/g, M, 2] (gpt-fast's) |
+Plan time: each weight the family calls quantizable (the key table's LINEAR column) becomes the tensors its
+format's row lists (`Target.outputs`: the quantized values and their side tensors, each named by its leaf, with
+its dtype and shape), all made from the same source by the row's transforms; every other tensor passes through.
+The row says which weight shapes it refuses, the `quantization_config` it writes (compressed-tensors' `ignore`
+lists the Linear modules left unquantized) and whether `shard` can cut its output per rank. README "Output
+formats" has the table.
 
 Execution: `formats.QUANTIZE_TRANSFORMS[name](weight)` computes one output from the whole source tensor.
 """
 
 from __future__ import annotations
 
-
 from ckpttool.errors import PlanError
 from ckpttool.families.base import Family
-from ckpttool.formats import (
-    FP8_DTYPES,
-    FP8_SCALE,
-    INT4_GROUP_SIZES,
-    INT4_SCALES_AND_ZEROS,
-    INT8_SCALES,
-    QUANTIZE_FORMATS,
-    with_leaf,
-)
-from ckpttool.kernels.fp8 import scale_shape
+from ckpttool.formats import FP8_DTYPES, QUANTIZE_TRANSFORMS, with_leaf
+from ckpttool.formats.outputs import FORMATS, Target, ignored_modules, target
+from ckpttool.formats.outputs_stream import is_streamed
 from ckpttool.plan.types import TensorPlan
 
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
+def target_of(fmt: str, group_size: int = 128) -> Target:
+    """The output format's row, or an error listing the names it may be."""
+    row = target(fmt, group_size)
+    if row is None:
+        raise PlanError(f"unknown quantize format {fmt!r}" if fmt != "int4" else
+                        f"int4 takes group_size 32, 64, 128 or 256, not {group_size}",
+                        fix=f"use one of {', '.join(FORMATS)}")
+    return row
+
+
+def check_mp(fmt: str, group_size: int, mp: int | None) -> None:
+    """Refuse, by name, a shard stage after a format whose output cannot be cut per rank."""
+    row = target_of(fmt, group_size)
+    if mp is not None and not row.mp:
+        cut = ", ".join(t for t in FORMATS if (r := target(t)) is not None and r.mp)
+        raise PlanError(f"{fmt} output is HF layout only: {row.mp_refusal}",
+                        fix=f"drop the shard stage, or quantize to {cut}")
+
+
 def quantize(tensors: list[TensorPlan], family: Family, cfg, fmt: str, group_size: int = 128,
-             files_of: dict[str, str] | None = None) -> list[TensorPlan]:
-    if fmt not in QUANTIZE_FORMATS:
-        raise PlanError(f"unknown quantize format {fmt!r}", fix=f"use one of {', '.join(QUANTIZE_FORMATS)}")
+             files_of: dict[str, str] | None = None, repacked: int = 0) -> list[TensorPlan]:
+    """Each quantizable float weight -> its format's tensors. A checkpoint whose quantized weights the plan
+    repacked instead (plan/repack.py) passes through: its config describes the repacked weights only."""
+    row = target_of(fmt, group_size)
+    if repacked:
+        return tensors
     if not family.quantize:
         raise PlanError(f"the quantize stage does not support {family.name} checkpoints")
     files_of = files_of or {}
@@ -55,19 +66,39 @@ def quantize(tensors: list[TensorPlan], family: Family, cfg, fmt: str, group_siz
                             fix="quantize reads BF16/F16/F32 2-D weights; put dequant and quantize in one recipe "
                                 "only through an intermediate BF16 checkpoint")
         rows, cols = t.shape
-        if fmt == "fp8_block":
-            out.append(t.with_(dtype="F8_E4M3", transform="quantize_fp8_block"))
-            out.append(t.with_(name=with_leaf(t.name, FP8_SCALE.hf_leaf), dtype="F32", shape=scale_shape(t.shape),
-                               transform="quantize_fp8_block_scale"))
-        elif fmt == "int8":
-            out.append(t.with_(dtype="I8", transform="quantize_int8"))
-            out.append(t.with_(name=with_leaf(t.name, INT8_SCALES), shape=(rows,), transform="quantize_int8_scales"))
-        else:
-            if group_size not in INT4_GROUP_SIZES or cols % group_size or cols % 2:
-                raise PlanError(f"int4 needs input features ({cols}) divisible by group_size {group_size} "
-                                f"(one of {INT4_GROUP_SIZES})", file=file, tensor=t.name,
-                                fix="choose a group_size dividing the input features")
-            out.append(t.with_(dtype="U8", shape=(rows, cols // 2), transform=f"quantize_int4_g{group_size}"))
-            out.append(t.with_(name=with_leaf(t.name, INT4_SCALES_AND_ZEROS), dtype="BF16", shape=(cols // group_size, rows, 2),
-                               transform=f"quantize_int4_g{group_size}_scales_and_zeros"))
+        if why := row.refuses(rows, cols):
+            raise PlanError(f"{why}; the weight is [{rows}, {cols}]", file=file, tensor=t.name,
+                            fix="choose another --to format (fp8-channel and fp8-block-deepseek take any shape)"
+                                if fmt != "int4" else "choose a group_size dividing the input features")
+        for o in row.outputs:
+            out.append(t.with_(name=with_leaf(t.name, o.leaf), dtype=o.dtype or t.dtype, shape=o.shape(rows, cols),
+                               transform=o.transform_for(rows, cols)))
     return out
+
+
+def count_quantized(tensors: list[TensorPlan]) -> int:
+    """How many weights the stage quantized (each is several output tensors)."""
+    return len({t.source for t in tensors if t.transform in QUANTIZE_TRANSFORMS or is_streamed(t.transform)})
+
+
+def unquantized_linears(before: list[TensorPlan], after: list[TensorPlan], family: Family | None = None,
+                        cfg=None) -> list[str]:
+    """The modules compressed-tensors' `ignore` lists: 2-D weights the stage passed through (heads, routers), and
+    the model's Linear modules the checkpoint does not store: a head tied to the embeddings is still a module of
+    transformers' model, which the library lists (the key table's rows that name one tensor, absent here)."""
+    kept = {t.name for t in after if t.transform is None}
+    names = [t.name for t in before if t.name in kept and t.name.endswith(".weight") and len(t.shape) == 2]
+    if family is not None:
+        present = {t.name for t in before}
+        names += [r.hf for r in family.keys(cfg).rows if not r.fields and not r.linear and r.companion is None
+                  and r.hf.endswith(".weight") and r.hf not in present]
+    return ignored_modules(names)
+
+
+def quantized_config(config: dict, fmt: str, group_size: int, ignored: list[str], repacked: dict | None = None
+                     ) -> dict:
+    """config.json as the format's row writes it (its `quantization_config`, or ckpttool's own key); where the
+    plan repacked quantized weights, the quantization_config that says what they now are (plan/repack.py)."""
+    if repacked is not None:
+        return {**config, "quantization_config": repacked}
+    return target_of(fmt, group_size).config(config, ignored)

@@ -1,0 +1,70 @@
+"""The quantize stage streams: every --to format but NVFP4 (a global scale from the whole tensor's amax) and gpt-fast's
+int4 scales (stored transposed) is made in bounded runs of the weight's rows, as dequant is, and a run's bytes are
+the whole tensor's: outputs written in runs of a few rows equal those written whole (which equal the library's,
+tests/test_quantize_targets.py). Peak memory does not grow with the model's size (1 layer against 12)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dense_models import build_hf
+
+from ckpttool.plan.build import Spec
+from ckpttool.runner import ExecOptions, convert
+
+STREAMED = ("w4a16", "w4a16-asym", "w8a16", "fp8-channel", "fp8-block", "mxfp4", "fp8-block-deepseek", "int8")
+
+
+def _llama(dst, layers: int, hidden: int = 256, inter: int = 512):
+    spec = dict(cls="LlamaForCausalLM", config="LlamaConfig", vocab_size=256, hidden_size=hidden,
+                intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=hidden // 2, max_position_embeddings=64, tie_word_embeddings=False)
+    return build_hf("llama", dst, seed=4, spec=spec)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return _llama(tmp_path_factory.mktemp("stream") / "llama", 1)
+
+
+@pytest.mark.parametrize("fmt", STREAMED + ("nvfp4a16", "int4"))
+def test_runs_of_a_few_rows_write_the_bytes_of_the_whole_tensor(llama, fmt, tmp_path):
+    convert(llama, tmp_path / "whole", Spec(quantize=fmt), ExecOptions(quiet=True, workers=1))
+    runs = convert(llama, tmp_path / "runs", Spec(quantize=fmt), ExecOptions(quiet=True, workers=3, chunk_bytes=2048))
+    chunks = sum(v for k, v in runs.timings.to_json().get("counts", {}).items() if k.startswith("chunks_by_cpu"))
+    if fmt in STREAMED:  # 7 weights, 2 streamed outputs each, every one in 2 runs or more (FP8 blocks: 128 rows)
+        assert chunks >= 7 * 2 * 2, runs.timings.to_json()
+    for f in (tmp_path / "whole").glob("*.safetensors"):
+        assert f.read_bytes() == (tmp_path / "runs" / f.name).read_bytes(), f.name
+
+
+_MEASURE = """
+import json, re, sys
+from pathlib import Path
+from ckpttool.plan.build import Spec
+from ckpttool.runner import ExecOptions, convert
+r = convert(Path(sys.argv[1]), Path(sys.argv[2]), Spec(quantize=sys.argv[3]),
+            ExecOptions(quiet=True, max_memory=64 << 20, workers=2, chunk_bytes=1 << 20))
+hwm = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+print(json.dumps({"rss_kib": hwm, "bytes": r.bytes_written}))
+"""
+
+
+def test_peak_rss_is_flat_across_model_sizes(tmp_path):
+    """FP8 blocks (half the input's bytes out, so that the extra output dwarfs the noise of RSS, which comes in
+    steps of the hashing threads' 8 MiB windows: tests/test_memory.py); the other streamed rows run the same way."""
+    fmt = "fp8-block-deepseek"
+
+    def peak(src, dst):
+        out = subprocess.run([sys.executable, "-c", _MEASURE, str(src), str(dst), fmt], check=True,
+                             capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    a = peak(_llama(tmp_path / "one", 1, 1024, 4096), tmp_path / "o1")
+    b = peak(_llama(tmp_path / "twelve", 12, 1024, 4096), tmp_path / "o12")
+    growth_mib, extra_mib = (b["rss_kib"] - a["rss_kib"]) / 1024, (b["bytes"] - a["bytes"]) / 2**20
+    assert extra_mib > 150, "the larger model must be substantially larger for this to mean anything"
+    assert growth_mib < 0.25 * extra_mib, f"peak RSS grew {growth_mib:.0f} MiB for {extra_mib:.0f} MiB more output"
