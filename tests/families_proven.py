@@ -237,4 +237,22 @@ PROVEN: tuple[Proven, ...] = (
             "test_kimi_linear.py::test_shard_mp4_then_merge_is_byte_identical_in_its_own_spelling",
             "test_kimi_linear.py::test_fields_are_read_as_kimi_linear_config_reads_them",
             "test_kimi_linear.py::test_what_transformers_does_not_build_is_refused_by_name")),
+    Proven("LongCat-Flash (`longcat_flash`), BF16, in the published spelling (zero experts hold no weights) and "
+           "transformers' save_pretrained's", ("longcat_flash",), "yes",
+           "1, 2, 4 (8 refused: heads; mp must divide routed + zero experts)", "byte for byte, each spelling",
+           "mp 1, 2 (as transformers' LongcatFlashForCausalLM)",
+           "two MLA sublayers per layer (query LoRA, LoRA scaling of the query and latent, interleaved rotary pairs) "
+           "cut on whole heads, two dense MLPs, a shortcut MoE: softmax over routed + zero (identity) experts, "
+           "correction bias for the choice, unnormalised weights times `routed_scaling_factor`. Zero experts are "
+           "counted as experts after the routed ones (the router's width, the ranges ranks own); transformers' "
+           "save_pretrained writes unused gate and up projections for them, carried to their rank. transformers "
+           "5.24 cannot load the published spelling (a size mismatch): verify against it falls back to the bundled "
+           "model, said so. Refused by name: attention biases, `router_bias`, LoRA scaling off, non-identity zero "
+           "experts, rope types other than default; MTP tensors (`model.mtp.*`) have no rows",
+           ("test_longcat_flash.py::test_shard_then_verify_gives_transformers_greedy_tokens",
+            "test_longcat_flash.py::test_shard_mp4_then_merge_is_byte_identical_in_its_own_spelling",
+            "test_longcat_flash.py::test_heads_are_cut_whole_and_zero_experts_ranked_after_routed_ones",
+            "test_longcat_flash.py::test_a_published_reference_falls_back_to_the_bundled_model_and_says_why",
+            "test_longcat_flash.py::test_fields_are_read_as_longcat_flash_config_reads_them",
+            "test_longcat_flash.py::test_what_ckpttools_model_does_not_build_is_refused_by_name")),
 )

@@ -321,10 +321,3 @@ def test_quantize_takes_every_linear_projection_of_the_types_own_table(moe_hf, m
     attention = {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(cfg.num_hidden_layers) for p in "qkvo"}
     assert experts <= quantized and attention <= quantized, sorted(experts - quantized)[:3]
     assert not {n for n in quantized if "norm" in n or "gate.weight" in n or "embed" in n or "lm_head" in n}
-
-
-def test_longcat_flash_is_refused_with_the_reason():
-    from ckpttool.families.table import family_for
-
-    with pytest.raises(Exception, match="LongCat-Flash's layers .* zero \\(identity\\) experts\\) are not implemented"):
-        family_for({"model_type": "longcat_flash"})

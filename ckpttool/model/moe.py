@@ -2,7 +2,8 @@
 correction bias and group limit for the choice, top-k, weights from the unbiased scores), whole experts
 on the rank owning a contiguous range (expert parallel, partial sums all-reduced), and optional shared
 experts (tensor parallel) with an optional sigmoid gate (Qwen2-MoE); experts and shared experts take the
-clamped gpt-oss activation where `swiglu` says so (MiniMax-M3).
+clamped gpt-oss activation where `swiglu` says so (MiniMax-M3). Identity ("zero") experts (LongCat-Flash) follow
+the routed ones in the router's width and in the ranges ranks own; each adds its tokens, weighted.
 
 Parameter names: `gate.weight` (router), `gate.bias` (correction bias), `experts.{e}.w1/w2/w3` with the
 global expert index, `shared_experts.w1/w2/w3`, `shared_expert_gate.weight`.
@@ -32,6 +33,14 @@ class Routing:
     group_score: str = "top2_sum"  # or "max" (DeepSeek-V2's group_limited_greedy)
     normalize: bool = False
     scale: float = 1.0
+    identity_experts: int = 0  # zero experts after the routed ones: no weights, output = input
+
+
+class IdentityExpert(nn.Module):
+    """A zero expert: the token itself (its routing weight is applied by MoE, as for any expert)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 class Router(nn.Module):
@@ -40,9 +49,10 @@ class Router(nn.Module):
     def __init__(self, r: Routing, hidden: int, dtype: torch.dtype):
         super().__init__()
         self.r = r
-        self.weight = nn.Parameter(torch.empty(r.experts, hidden, dtype=dtype), requires_grad=False)
+        width = r.experts + r.identity_experts
+        self.weight = nn.Parameter(torch.empty(width, hidden, dtype=dtype), requires_grad=False)
         if r.correction_bias:
-            shape = (1, r.experts) if r.correction_bias_rows else (r.experts,)
+            shape = (1, width) if r.correction_bias_rows else (width,)
             self.bias = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
         else:
             self.register_parameter("bias", None)
@@ -77,11 +87,12 @@ class MoE(nn.Module):
                  swiglu: tuple[float, float] | None = None):
         super().__init__()
         self.ctx = ctx
-        n_local = ctx.split(r.experts, "the routed expert count")
+        n_local = ctx.split(r.experts + r.identity_experts,
+                            "routed + zero experts" if r.identity_experts else "the routed expert count")
         first = ctx.rank * n_local
         self.gate = Router(r, hidden, dtype)
         self.experts = nn.ModuleDict({str(e): FeedForward(hidden, expert_inter, dtype, fp8, ctx=None, swiglu=swiglu)
-                                      for e in range(first, first + n_local)})
+                                      if e < r.experts else IdentityExpert() for e in range(first, first + n_local)})
         self.shared_experts = (FeedForward(hidden, shared_inter, dtype, fp8, ctx=ctx, bias=shared_bias, swiglu=swiglu)
                                if shared_inter else None)
         self.shared_expert_gate = Linear(hidden, 1, dtype) if shared_gate else None

@@ -61,6 +61,8 @@ def transformers_logits(reference: Path, prompt_ids: list[int], generated: list[
                 model = auto.from_pretrained(source, config=config, dtype=dtype, **kwargs)
         except ImportError as exc:  # a loader that needs a package this machine lacks
             return None, f"transformers could not load the reference: {exc}"
+        except RuntimeError as exc:  # shapes its model does not take (LongCat-Flash's published zero experts)
+            return None, f"transformers could not load the reference: {str(exc).splitlines()[0]}"
     if method == "mxfp4":
         _round_dequantized(model, reference)
     with torch.no_grad():  # a dequantizing load leaves the unquantized tensors in their stored dtype

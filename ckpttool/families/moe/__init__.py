@@ -31,7 +31,4 @@ FAMILY = Family(
     # a registered buffer in GLM's and MiniMax-M2's routers (ERNIE's moe_statics.e_score_correction_bias is a
     # parameter, and counts)
     buffers=("gate.e_score_correction_bias", "block_sparse_moe.e_score_correction_bias"),
-    refused_types={"longcat_flash": "LongCat-Flash's layers (two MLA attention sublayers with LoRA scaling, two MLPs "
-                                    "and a shortcut MoE whose router also picks zero (identity) experts) are not "
-                                    "implemented by ckpttool's MoE model"},
 )

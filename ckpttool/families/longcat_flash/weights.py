@@ -1,0 +1,58 @@
+"""verify's LongCat-Flash loaders: an mp shard (mp names as they are), a whole HF checkpoint at mp=1 through the
+key table, and the comparison of every loaded weight with its slice of a reference HF checkpoint. Either
+spelling (spec.py) is bound from the tensor names before loading, so the zero experts' unused weights that
+transformers' save_pretrained writes are loaded strictly too."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from ckpttool.families.base import Verifier, rank_slice
+from ckpttool.families.longcat_flash.model import LongcatFlashArgs, LongcatFlashTransformer
+from ckpttool.families.longcat_flash.spec import KEY_MAP, hf_tensor_shapes, spelled
+from ckpttool.io.checkpoint import Checkpoint
+from ckpttool.model.loading import check_tensors, load_mp_shard, read_shard_header, reference_differences
+from ckpttool.model.parallel import ParallelContext
+
+
+def _bind(model: LongcatFlashTransformer, names) -> None:
+    cfg = spelled(model.args.cfg, names)
+    if cfg.spelling != model.args.cfg.spelling:
+        model.args = replace(model.args, cfg=cfg)
+        model.hold_unused_zero_expert_weights()
+
+
+def _source(model: LongcatFlashTransformer, ctx: ParallelContext):
+    cfg = model.args.cfg
+    shapes = hf_tensor_shapes(cfg)
+    return lambda native, _=None: rank_slice(KEY_MAP, native, shapes, cfg, ctx.rank, ctx.world_size)
+
+
+def load_shard(model: LongcatFlashTransformer, path: Path, skip=None) -> int:
+    _bind(model, read_shard_header(Path(path)).tensors)
+    return load_mp_shard(model, path, skip=skip)
+
+
+def load_hf(model: LongcatFlashTransformer, directory: Path, n_layers: int = 0, prepare=None) -> None:
+    """A whole HF checkpoint into an mp=1 model, strictly."""
+    with Checkpoint(directory) as ckpt:
+        if prepare is not None:
+            prepare(ckpt)
+        _bind(model, ckpt.tensors)
+        source = _source(model, ParallelContext())
+        params = dict(model.named_parameters())
+        names = {source(n)[0]: n for n in params}
+        check_tensors(params, {names.get(hf, hf): (hf, src.info) for hf, src in ckpt.tensors.items()}, directory)
+        for hf, name in names.items():
+            params[name].data.copy_(ckpt.read(hf))
+
+
+VERIFIER = Verifier(
+    load_args=LongcatFlashArgs.from_hf_config,
+    build=lambda args, ctx, dtype, attn: LongcatFlashTransformer(args, ctx, dtype=dtype),
+    load_shard=load_shard,
+    load_hf=load_hf,
+    weight_differences=lambda model, ctx, reference, n_layers, shard, prepare=None: reference_differences(
+        model, reference, shard, _source(model, ctx), prepare=prepare),
+)

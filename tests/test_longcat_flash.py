@@ -1,0 +1,185 @@
+"""LongCat-Flash (longcat_flash): inspect, plan, shard --mp 1/2/4, merge back byte for byte, and verify giving
+transformers' own greedy tokens at mp 1 and 2, in transformers' save_pretrained spelling (unused gate and up
+projections for every zero expert) and in the published one (zero experts hold no weights); config fields read
+as transformers' LongcatFlashConfig reads them; what ckpttool's model does not build refused by name.
+
+The input is a tiny checkpoint transformers 5 builds and saves itself, every norm and the router's correction
+bias perturbed; the oracle is transformers' generate() on it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import load_dir, run_cli
+from dense_models import NEW_TOKENS, PROMPT, build_hf, greedy_oracle
+
+from ckpttool.errors import InputError, PlanError
+from ckpttool.families.longcat_flash import spec
+from ckpttool.verify.run import run_verify
+
+transformers = pytest.importorskip("transformers")
+
+# 2 decoder layers (4 MLA sublayers), 4 heads, 8 routed + 4 zero experts, top 3, a routed scaling factor.
+TINY = dict(cls="LongcatFlashForCausalLM", config="LongcatFlashConfig", vocab_size=256, hidden_size=64, num_layers=2,
+            num_attention_heads=4, ffn_hidden_size=96, expert_ffn_hidden_size=32, n_routed_experts=8,
+            zero_expert_num=4, moe_topk=3, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            head_dim=8, v_head_dim=16, routed_scaling_factor=2.0, max_position_embeddings=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
+ZERO = (8, 9, 10, 11)
+
+
+def _config(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def _published(hf, dst):
+    """The same weights as the published checkpoints hold them: no tensor for any zero expert."""
+    dst.mkdir()
+    shutil.copy(hf / "config.json", dst / "config.json")
+    tensors = {n: t for n, t in load_file(str(hf / "model.safetensors")).items()
+               if not any(f".mlp.experts.{e}." in n for e in ZERO)}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def longcat_hf(tmp_path_factory) -> dict:
+    """spelling -> (HF dir, transformers' greedy ids, their logits). transformers 5.24 cannot load the published
+    spelling (its stacked gate_up_proj wants a block for every zero expert: a size mismatch), so both
+    spellings' oracle is transformers' model of the same weights saved by itself."""
+    root = tmp_path_factory.mktemp("longcat_flash")
+    hf = build_hf("longcat_flash", root / "transformers", spec=TINY)
+    published = _published(hf, root / "hub")
+    oracle = greedy_oracle(hf)
+    return {"transformers": (hf, *oracle), "hub": (published, *oracle)}
+
+
+def _equal_files(a, b) -> None:
+    original, merged = load_file(str(a)), load_file(str(b))
+    assert original.keys() == merged.keys()
+    for name, tensor in original.items():
+        assert tensor.dtype == merged[name].dtype and torch.equal(tensor, merged[name]), name
+
+
+def test_config_defaults_are_the_transformers_class_defaults():
+    defaults = transformers.LongcatFlashConfig()
+    for field, value in spec.DEFAULTS.items():
+        if field not in ("num_key_value_heads", "qk_head_dim"):  # None in the class, filled in __post_init__
+            assert getattr(defaults, field) == value, field
+    cfg = spec.LongcatFlashConfig.from_dict({"model_type": "longcat_flash"})
+    assert (cfg.num_hidden_layers, cfg.qk_head_dim, cfg.rope_theta) == (
+        defaults.num_layers, defaults.qk_head_dim, defaults.rope_parameters["rope_theta"])
+
+
+@pytest.mark.parametrize("given", [
+    {},
+    {"num_local_experts": 16, "num_experts_per_tok": 4, "intermediate_size": 128, "moe_intermediate_size": 24},
+    {"n_routed_experts": 16, "num_local_experts": 32, "zero_expert_num": 0},  # the attribute_map's name wins
+    {"moe_topk": 3, "num_experts_per_tok": 5},
+    {"num_hidden_layers": 7, "num_layers": 5},  # the class's setter wins: seven sublayers are three decoder layers
+])
+def test_fields_are_read_as_longcat_flash_config_reads_them(given):
+    theirs = transformers.LongcatFlashConfig.from_dict(dict(given))
+    ours = spec.LongcatFlashConfig.from_dict({"model_type": "longcat_flash", **given})
+    for field in ("n_routed_experts", "moe_topk", "ffn_hidden_size", "expert_ffn_hidden_size", "q_lora_rank",
+                  "routed_scaling_factor"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.zero_expert_num == theirs.zero_expert_num
+    assert ours.num_hidden_layers == theirs.num_layers
+
+
+@pytest.mark.parametrize("spelling", ["transformers", "hub"])
+def test_expected_shapes_are_what_the_checkpoint_holds(longcat_hf, spelling):
+    hf = longcat_hf[spelling][0]
+    tensors = load_file(str(hf / "model.safetensors"))
+    cfg = spec.spelled(spec.LongcatFlashConfig.from_dict(_config(hf)), tensors)
+    assert cfg.spelling == spelling
+    assert spec.hf_tensor_shapes(cfg) == {k: tuple(v.shape) for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+@pytest.mark.parametrize("spelling", ["transformers", "hub"])
+def test_shard_then_verify_gives_transformers_greedy_tokens(longcat_hf, tmp_path, spelling, mp):
+    hf, ids, logits = longcat_hf[spelling]
+    out = tmp_path / "mp"
+    run_cli("shard", hf, out, "--mp", mp, "--quiet")
+    reference = longcat_hf["transformers"][0]  # the one transformers loads (fixture); the weights are the same
+    report = run_verify(out, prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=reference,
+                        logits_path=tmp_path / "logits.safetensors")
+    assert report.ok, report.render(out)
+    assert report.generated_ids == ids
+    assert "LongcatFlashForCausalLM" in report.render(out)
+    ours = load_file(str(tmp_path / "logits.safetensors"))["logits"]
+    assert (ours - logits).abs().max() < 1e-3
+
+
+def test_a_published_reference_falls_back_to_the_bundled_model_and_says_why(longcat_hf, tmp_path):
+    hf, ids, _ = longcat_hf["hub"]
+    run_cli("shard", hf, tmp_path / "mp", "--mp", 2, "--quiet")
+    report = run_verify(tmp_path / "mp", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf)
+    rendered = report.render(tmp_path / "mp")
+    assert report.ok and report.generated_ids == ids, rendered
+    assert "the bundled model at mp=1 (transformers could not load the reference" in rendered
+
+
+@pytest.mark.parametrize("spelling", ["transformers", "hub"])
+def test_shard_mp4_then_merge_is_byte_identical_in_its_own_spelling(longcat_hf, tmp_path, spelling):
+    hf = longcat_hf[spelling][0]
+    run_cli("shard", hf, tmp_path / "mp", "--mp", 4, "--quiet")
+    run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--quiet")
+    _equal_files(hf / "model.safetensors", tmp_path / "hf" / "model.safetensors")
+
+
+def test_heads_are_cut_whole_and_zero_experts_ranked_after_routed_ones(longcat_hf, tmp_path):
+    hf = longcat_hf["transformers"][0]
+    run_cli("shard", hf, tmp_path / "mp", "--mp", 2, "--quiet")
+    src, shards = load_file(str(hf / "model.safetensors")), load_dir(tmp_path / "mp")
+    for r in range(2):
+        s = shards[f"model{r}-mp2.safetensors"]
+        a = "model.layers.1.self_attn.1."
+        assert torch.equal(s["layers.1.attn.1.q_b_proj.weight"], src[a + "q_b_proj.weight"][r * 48:(r + 1) * 48])
+        assert torch.equal(s["layers.1.attn.1.kv_b_proj.weight"], src[a + "kv_b_proj.weight"][r * 64:(r + 1) * 64])
+        assert torch.equal(s["layers.1.attn.1.o_proj.weight"], src[a + "o_proj.weight"][:, r * 32:(r + 1) * 32])
+        assert torch.equal(s["layers.1.attn.1.q_a_proj.weight"], src[a + "q_a_proj.weight"])  # low rank: replicated
+        assert torch.equal(s["layers.0.moe.gate.weight"], src["model.layers.0.mlp.router.classifier.weight"])
+        # 12 experts, 6 a rank: rank 0 holds routed 0-5, rank 1 routed 6-7 and zero experts 8-11 (gate, up only)
+        held = sorted(int(n.split(".")[4]) for n in s if n.startswith("layers.0.moe.experts.") and ".w1." in n)
+        assert held == list(range(r * 6, (r + 1) * 6))
+        assert sorted(int(n.split(".")[4]) for n in s if n.startswith("layers.0.moe.experts.") and ".w2." in n) \
+            == [e for e in held if e < 8]
+
+
+def test_plan_and_inspect_read_it(longcat_hf):
+    hf = longcat_hf["hub"][0]
+    assert json.loads(run_cli("inspect", hf, "--json").stdout)["model_type"] == "longcat_flash"
+    plan = json.loads(run_cli("plan", hf, "--mp", 4, "--json").stdout)
+    assert [f["name"] for f in plan["files"]] == [f"model{r}-mp4.safetensors" for r in range(4)]
+
+
+def test_mp_that_cuts_a_head_or_an_expert_range_is_refused(longcat_hf, tmp_path):
+    proc = run_cli("shard", longcat_hf["hub"][0], tmp_path / "out", "--mp", 8, "--quiet", check=False)
+    assert proc.returncode != 0 and "num_attention_heads (4) is not divisible by mp=8" in proc.stderr
+    assert not (tmp_path / "out" / "model0-mp8.safetensors").exists()
+    cfg = spec.LongcatFlashConfig.from_dict({**_config(longcat_hf["hub"][0]), "zero_expert_num": 2})
+    with pytest.raises(PlanError, match=r"n_routed_experts \+ zero_expert_num .*\(10\) is not divisible by mp=4"):
+        spec.check_mp(cfg, 4)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"router_bias": True}, "router_bias"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mla_scale_q_lora": False}, "mla_scale_q_lora"),
+    ({"zero_expert_type": "zero"}, "zero_expert_type"),
+    ({"head_dim": 16}, "head_dim"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope type"),
+])
+def test_what_ckpttools_model_does_not_build_is_refused_by_name(longcat_hf, extra, message):
+    with pytest.raises(InputError, match=message):
+        spec.LongcatFlashConfig.from_dict({**_config(longcat_hf["hub"][0]), **extra})
