@@ -11,6 +11,7 @@
  * cols walks the words in tiles so that a tile's cache lines serve every output row that shares them; rows
  * makes 8 output rows from each word it loads. */
 #include <stdint.h>
+#include <string.h>
 
 #define TILE 1024 /* words per tile (cols) */
 
@@ -84,3 +85,229 @@ COLS(ckpttool_packed_cols_u16, uint16_t)
 COLS(ckpttool_packed_cols_u32, uint32_t)
 ROWS(ckpttool_packed_rows_u16, uint16_t)
 ROWS(ckpttool_packed_rows_u32, uint32_t)
+
+/* -- computed, not looked up (x86 with AVX2 and F16C) ---------------------------------------------------
+ * The libraries' arithmetic done per element, eight at a time: fp16(s * (q - z)) is the fp32 product of an F16
+ * scale and an integer below 2**8 in magnitude (exact) rounded once by VCVTPS2PH (nearest even, IEEE subnormals,
+ * overflow to infinity, whatever MXCSR says), then the output: the fp16 bits (F16), VCVTPH2PS (F32, exact), or
+ * that rounded to BF16 (nearest even, bf16.h's sum). The same bits as the tables above; no table, no numpy
+ * preparation: the loops read the scales (F16) and the packed zero points (plus `zero_add`: GPTQ v1's
+ * 0x11111111, carries and all) as stored.
+ *   lanes: GPTQ's [K / per, N] words, eight output rows at once (a 32-byte load along N), one column per vector,
+ *          each 8 x 8 block of fp16 transposed into the eight rows; column k's group group_of_col[k]
+ *   rows8: AWQ GEMM's [K, C] words, a word's 8 nibbles the 8 rows of a vector, 8 words (columns) a block
+ *   bcast: AWQ GEMV's [N, K / 8] words, a word's 8 nibbles 8 consecutive outputs of one row
+ * kind: 0 F16, 1 BF16 (uint16 out), 2 F32 (uint32 out). Rows (lanes) or columns (rows8) past the last whole
+ * block of eight are computed one at a time with the scalar F16C conversions. */
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define PACKED_F16C __attribute__((target("avx2,f16c")))
+
+int32_t ckpttool_packed_f16c_ok(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+
+/* eight fp16 products of one vector */
+PACKED_F16C static inline __m128i f16_products(__m256i codes, __m256i zeros, __m256 scales) {
+    const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(codes, zeros)), scales);
+    return _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* eight fp16 values as the output's words at dst */
+PACKED_F16C static inline void store8(__m128i h, int32_t kind, void *dst) {
+    if (kind == 0) {
+        _mm_storeu_si128((__m128i *)dst, h);
+    } else if (kind == 2) {
+        _mm256_storeu_ps((float *)dst, _mm256_cvtph_ps(h));
+    } else {
+        const __m256i u = _mm256_castps_si256(_mm256_cvtph_ps(h));
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+        _mm_storeu_si128((__m128i *)dst, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+    }
+}
+
+PACKED_F16C static inline void store1(float p, int32_t kind, void *out, int64_t i) {
+    const uint16_t h = _cvtss_sh(p, _MM_FROUND_TO_NEAREST_INT);
+    if (kind == 0) {
+        ((uint16_t *)out)[i] = h;
+    } else {
+        const float f = _cvtsh_ss(h);
+        uint32_t u;
+        memcpy(&u, &f, sizeof u);
+        if (kind == 2) ((uint32_t *)out)[i] = u;
+        else ((uint16_t *)out)[i] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+/* h[j] lane i -> row i's column j: the 8 x 8 block of 16-bit words transposed, then stored row by row */
+PACKED_F16C static inline void store_block(__m128i h[8], int32_t kind, char *dst, int64_t row_bytes) {
+    const __m128i a0 = _mm_unpacklo_epi16(h[0], h[1]), a1 = _mm_unpackhi_epi16(h[0], h[1]);
+    const __m128i a2 = _mm_unpacklo_epi16(h[2], h[3]), a3 = _mm_unpackhi_epi16(h[2], h[3]);
+    const __m128i a4 = _mm_unpacklo_epi16(h[4], h[5]), a5 = _mm_unpackhi_epi16(h[4], h[5]);
+    const __m128i a6 = _mm_unpacklo_epi16(h[6], h[7]), a7 = _mm_unpackhi_epi16(h[6], h[7]);
+    const __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+    const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+    const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+    const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+    store8(_mm_unpacklo_epi64(b0, b4), kind, dst);
+    store8(_mm_unpackhi_epi64(b0, b4), kind, dst + row_bytes);
+    store8(_mm_unpacklo_epi64(b1, b5), kind, dst + 2 * row_bytes);
+    store8(_mm_unpackhi_epi64(b1, b5), kind, dst + 3 * row_bytes);
+    store8(_mm_unpacklo_epi64(b2, b6), kind, dst + 4 * row_bytes);
+    store8(_mm_unpackhi_epi64(b2, b6), kind, dst + 5 * row_bytes);
+    store8(_mm_unpacklo_epi64(b3, b7), kind, dst + 6 * row_bytes);
+    store8(_mm_unpackhi_epi64(b3, b7), kind, dst + 7 * row_bytes);
+}
+
+/* the scales (F16, contiguous along the rows) and zero points of rows n0 .. n0 + 7 in group g (lanes, rows8) */
+PACKED_F16C static inline __m256 scales8(const uint16_t *restrict scales, int64_t at) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at)));
+}
+
+PACKED_F16C static inline __m256i zeros8(const uint32_t *restrict zw, int32_t bits, uint32_t add, __m256i shifts) {
+    const __m256i w = bits == 4 ? _mm256_set1_epi32((int)(zw[0] + add))
+                                : _mm256_set_m128i(_mm_set1_epi32((int)(zw[1] + add)), _mm_set1_epi32((int)(zw[0] + add)));
+    return _mm256_and_si256(_mm256_srlv_epi32(w, shifts), _mm256_set1_epi32((1 << bits) - 1));
+}
+
+/* lanes' loop, `bits` and `by_word` constants after inlining, so that the eight columns unroll */
+PACKED_F16C __attribute__((always_inline)) static inline void lanes_rows(
+    const uint32_t *restrict words, int64_t rows, int64_t n_words, const int bits, const uint16_t *restrict scales,
+    const uint32_t *restrict zeros, uint32_t zero_add, const int32_t *restrict group_of_col, const int by_word,
+    int32_t kind, void *restrict out, int64_t out_stride) {
+    const int per = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1;
+    const int64_t cols = n_words * per, zrow = rows / per, size = kind == 2 ? 4 : 2;
+    const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                     : _mm256_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24);
+    const __m256i vmask = _mm256_set1_epi32((int)mask);
+    int64_t n0 = 0;
+    for (; n0 + 8 <= rows; n0 += 8) {
+        char *dst = (char *)out + n0 * out_stride * size;
+        int32_t ga = -1, gb = -1; /* the groups of the block's first and second four columns (by_word) */
+        __m256 sa = _mm256_setzero_ps(), sb = sa;
+        __m256i za = _mm256_setzero_si256(), zb = za;
+        for (int64_t k0 = 0; k0 < cols; k0 += 8) { /* 8 columns: one word of 4-bit codes, two of 8-bit */
+            const int64_t r = k0 / per;
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(words + r * rows + n0));
+            const __m256i w1 = bits == 8 ? _mm256_loadu_si256((const __m256i *)(words + (r + 1) * rows + n0)) : w0;
+            __m128i h[8];
+            if (by_word) {
+                if (group_of_col[k0] != ga) {
+                    ga = group_of_col[k0];
+                    sa = scales8(scales, (int64_t)ga * rows + n0);
+                    za = zeros8(zeros + ga * zrow + n0 / per, bits, zero_add, shifts);
+                }
+                if (bits == 4) {
+                    sb = sa, zb = za;
+                } else if (group_of_col[k0 + 4] != gb) {
+                    gb = group_of_col[k0 + 4];
+                    sb = scales8(scales, (int64_t)gb * rows + n0);
+                    zb = zeros8(zeros + gb * zrow + n0 / per, bits, zero_add, shifts);
+                }
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) {
+                    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(j < per ? w0 : w1, bits * (j % per)), vmask);
+                    h[j] = f16_products(q, j < 4 ? za : zb, j < 4 ? sa : sb);
+                }
+            } else { /* a group per column (desc_act): its scales and zero points loaded for each */
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) {
+                    const int64_t g = group_of_col[k0 + j];
+                    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(j < per ? w0 : w1, bits * (j % per)), vmask);
+                    h[j] = f16_products(q, zeros8(zeros + g * zrow + n0 / per, bits, zero_add, shifts),
+                                        scales8(scales, g * rows + n0));
+                }
+            }
+            store_block(h, kind, dst + k0 * size, out_stride * size);
+        }
+    }
+    for (int64_t n = n0; n < rows; n++) /* rows past the last block of 8 (8-bit codes: 4 of them at most) */
+        for (int64_t k = 0; k < cols; k++) {
+            const int64_t g = group_of_col[k];
+            const uint32_t z = ((zeros[g * zrow + n / per] + zero_add) >> (bits * (n % per))) & mask;
+            const uint32_t q = (words[(k / per) * rows + n] >> (bits * (k % per))) & mask;
+            store1(_cvtsh_ss(scales[g * rows + n]) * (float)((int32_t)q - (int32_t)z), kind, out, n * out_stride + k);
+        }
+}
+
+PACKED_F16C void ckpttool_packed_lanes(const uint32_t *restrict words, int64_t rows, int64_t n_words, int32_t bits,
+                                       const uint16_t *restrict scales, const uint32_t *restrict zeros,
+                                       uint32_t zero_add, const int32_t *restrict group_of_col, int32_t by_word,
+                                       int32_t kind, void *restrict out, int64_t out_stride) {
+    if (bits == 4 && by_word)
+        lanes_rows(words, rows, n_words, 4, scales, zeros, zero_add, group_of_col, 1, kind, out, out_stride);
+    else if (bits == 4)
+        lanes_rows(words, rows, n_words, 4, scales, zeros, zero_add, group_of_col, 0, kind, out, out_stride);
+    else if (by_word)
+        lanes_rows(words, rows, n_words, 8, scales, zeros, zero_add, group_of_col, 1, kind, out, out_stride);
+    else
+        lanes_rows(words, rows, n_words, 8, scales, zeros, zero_add, group_of_col, 0, kind, out, out_stride);
+}
+
+PACKED_F16C void ckpttool_packed_rows8(const uint32_t *restrict words, int64_t width, int64_t word_cols,
+                                       const int32_t *restrict shift_of_row, const uint16_t *restrict scales,
+                                       const uint32_t *restrict zeros, int64_t groups, int32_t kind,
+                                       void *restrict out, int64_t out_stride) {
+    const int64_t group = width / groups, size = kind == 2 ? 4 : 2, rows = word_cols * 8;
+    const __m256i shifts = _mm256_loadu_si256((const __m256i *)shift_of_row), vmask = _mm256_set1_epi32(15);
+    const int64_t whole = width / 8 * 8;
+    for (int64_t k1 = 0; k1 < whole; k1 += TILE) { /* a tile of columns: its words' lines serve 16 word columns */
+        const int64_t k2 = k1 + TILE < whole ? k1 + TILE : whole;
+        for (int64_t c = 0; c < word_cols; c++) {
+            char *dst = (char *)out + c * 8 * out_stride * size;
+            int64_t g = -1;
+            __m256 vs = _mm256_setzero_ps();
+            __m256i vz = _mm256_setzero_si256();
+            for (int64_t k0 = k1; k0 < k2; k0 += 8) {
+                __m128i h[8];
+                for (int j = 0; j < 8; j++) {
+                    const int64_t k = k0 + j;
+                    if (k / group != g) {
+                        g = k / group;
+                        vs = scales8(scales, g * rows + c * 8);
+                        vz = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)zeros[g * word_cols + c]),
+                                                                shifts), vmask);
+                    }
+                    const __m256i q = _mm256_and_si256(
+                        _mm256_srlv_epi32(_mm256_set1_epi32((int)words[k * word_cols + c]), shifts), vmask);
+                    h[j] = f16_products(q, vz, vs);
+                }
+                store_block(h, kind, dst + k0 * size, out_stride * size);
+            }
+        }
+    }
+    for (int64_t n = 0; n < rows; n++) /* columns past the last block of 8 */
+        for (int64_t k = whole; k < width; k++) {
+            const int64_t g = k / group, c = n / 8, sh = shift_of_row[n % 8];
+            const uint32_t z = (zeros[g * word_cols + c] >> sh) & 15u, q = (words[k * word_cols + c] >> sh) & 15u;
+            store1(_cvtsh_ss(scales[g * rows + n]) * (float)((int32_t)q - (int32_t)z), kind, out, n * out_stride + k);
+        }
+}
+
+/* 4-bit, groups of whole words (group % 8 == 0): a word's codes share one scale and zero point */
+PACKED_F16C void ckpttool_packed_bcast(const uint32_t *restrict words, int64_t rows, int64_t n_words,
+                                       const uint16_t *restrict scales, int64_t scale_stride,
+                                       const uint32_t *restrict zeros, int64_t zero_stride, int64_t group,
+                                       int32_t kind, void *restrict out, int64_t out_stride) {
+    const int64_t size = kind == 2 ? 4 : 2, per_group = group / 8;
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), vmask = _mm256_set1_epi32(15);
+    for (int64_t n = 0; n < rows; n++) {
+        const uint32_t *restrict src = words + n * n_words;
+        char *dst = (char *)out + n * out_stride * size;
+        for (int64_t r0 = 0, g = 0; r0 < n_words; r0 += per_group, g++) {
+            const __m256 vs = _mm256_set1_ps(_cvtsh_ss(scales[n * scale_stride + g]));
+            const __m256i vz = _mm256_set1_epi32((int)((zeros[n * zero_stride + g / 8] >> (4 * (g % 8))) & 15u));
+            const int64_t r1 = r0 + per_group < n_words ? r0 + per_group : n_words;
+            for (int64_t r = r0; r < r1; r++) {
+                const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)src[r]), shifts), vmask);
+                store8(f16_products(q, vz, vs), kind, dst + r * 8 * size);
+            }
+        }
+    }
+}
+#else
+int32_t ckpttool_packed_f16c_ok(void) { return 0; }
+#endif
