@@ -105,12 +105,9 @@ def _cpu(bits: int, version: str):
         dtype = packed.carrier(out)
         result = np.empty((rows, k), dtype=dtype) if into is None else into.view(dtype).reshape(rows, k)
         if result.size and packed.computed():
-            g_idx = np.ascontiguousarray(c.sides["g_idx"], dtype=np.int32)
-            by_word = g_idx.reshape(-1, 32 // bits)
             packed.lanes(words, bits, np.ascontiguousarray(c.scale).view(np.uint16),
-                         np.ascontiguousarray(c.sides["zero"]).view(np.uint32),
-                         V1_OFFSET[bits] if version == "gptq" else 0, g_idx, bool((by_word == by_word[:, :1]).all()),
-                         out, result)
+                         np.ascontiguousarray(c.sides["zero"]).view(np.uint32), V1_OFFSET[bits] if version == "gptq" else 0,
+                         np.ascontiguousarray(c.sides["g_idx"], dtype=np.int32), out, result)
         elif result.size:
             table, off, word_groups, g_idx = _prepare(c, bits, version, out)
             packed.cols(words, True, bits, off, word_groups, g_idx, table, result)

@@ -255,9 +255,9 @@ def _check(a: np.ndarray, itemsize: int, shape: tuple[int, ...], name: str) -> N
 
 
 def lanes(words: np.ndarray, bits: int, scales: np.ndarray, zeros: np.ndarray, zero_add: int,
-          group_of_col: np.ndarray, by_word: bool, kind: str, out: np.ndarray) -> None:
+          group_of_col: np.ndarray, kind: str, out: np.ndarray) -> None:
     """GPTQ's layout computed: `out` [N, K] from words [K / per, N], F16 scales [G, N], zero words [G, N / per]
-    (each plus `zero_add`, wrapping), column k's group group_of_col[k] (`by_word`: constant over each word)."""
+    (each plus `zero_add`, wrapping), column k's group group_of_col[k]."""
     per = 32 // bits
     n_words, rows = words.shape
     groups = scales.shape[0]
@@ -269,9 +269,10 @@ def lanes(words: np.ndarray, bits: int, scales: np.ndarray, zeros: np.ndarray, z
     _check(group_of_col, 4, (n_words * per,), "group_of_col")
     _check_groups(group_of_col, groups)
     _check_out(out, kind, (rows, n_words * per))
-    native.library().ckpttool_packed_lanes(words.ctypes.data, rows, n_words, bits, scales.ctypes.data,
-                                           zeros.ctypes.data, zero_add, group_of_col.ctypes.data, int(by_word),
-                                           _KIND[kind], out.ctypes.data, out.strides[0] // out.itemsize)
+    if native.library().ckpttool_packed_lanes(words.ctypes.data, rows, n_words, bits, scales.ctypes.data,
+                                              zeros.ctypes.data, zero_add, groups, group_of_col.ctypes.data,
+                                              _KIND[kind], out.ctypes.data, out.strides[0] // out.itemsize):
+        raise MemoryError(f"{groups} groups' scales and zero points for the GPTQ loop")
 
 
 def rows8(words: np.ndarray, shift_of_row: np.ndarray, scales: np.ndarray, zeros: np.ndarray, kind: str,

@@ -11,6 +11,7 @@
  * cols walks the words in tiles so that a tile's cache lines serve every output row that shares them; rows
  * makes 8 output rows from each word it loads. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 1024 /* words per tile (cols) */
@@ -94,7 +95,8 @@ ROWS(ckpttool_packed_rows_u32, uint32_t)
  * preparation: the loops read the scales (F16) and the packed zero points (plus `zero_add`: GPTQ v1's
  * 0x11111111, carries and all) as stored.
  *   lanes: GPTQ's [K / per, N] words, eight output rows at once (a 32-byte load along N), one column per vector,
- *          each 8 x 8 block of fp16 transposed into the eight rows; column k's group group_of_col[k]
+ *          each 8 x 8 block of fp16 transposed into the eight rows; column k's group group_of_col[k], its eight
+ *          rows' scales and zero points made once per block of rows
  *   rows8: AWQ GEMM's [K, C] words, a word's 8 nibbles the 8 rows of a vector, 8 words (columns) a block
  *   bcast: AWQ GEMV's [N, K / 8] words, a word's 8 nibbles 8 consecutive outputs of one row
  * kind: 0 F16, 1 BF16 (uint16 out), 2 F32 (uint32 out). Rows (lanes) or columns (rows8) past the last whole
@@ -102,6 +104,7 @@ ROWS(ckpttool_packed_rows_u32, uint32_t)
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define PACKED_F16C __attribute__((target("avx2,f16c")))
+#define INLINE __attribute__((always_inline)) inline
 
 int32_t ckpttool_packed_f16c_ok(void) {
     __builtin_cpu_init();
@@ -109,13 +112,13 @@ int32_t ckpttool_packed_f16c_ok(void) {
 }
 
 /* eight fp16 products of one vector */
-PACKED_F16C static inline __m128i f16_products(__m256i codes, __m256i zeros, __m256 scales) {
+PACKED_F16C INLINE static __m128i f16_products(__m256i codes, __m256i zeros, __m256 scales) {
     const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(codes, zeros)), scales);
     return _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
 /* eight fp16 values as the output's words at dst */
-PACKED_F16C static inline void store8(__m128i h, int32_t kind, void *dst) {
+PACKED_F16C INLINE static void store8(__m128i h, int32_t kind, void *dst) {
     if (kind == 0) {
         _mm_storeu_si128((__m128i *)dst, h);
     } else if (kind == 2) {
@@ -123,8 +126,12 @@ PACKED_F16C static inline void store8(__m128i h, int32_t kind, void *dst) {
     } else {
         const __m256i u = _mm256_castps_si256(_mm256_cvtph_ps(h));
         const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-        _mm_storeu_si128((__m128i *)dst, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+        const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+        /* each sum's high half: bytes 2, 3 of each word to the low 8 bytes of each 128-bit lane, then those joined */
+        const __m256i hi = _mm256_shuffle_epi8(r, _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1,
+                                                                   -1, 2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1,
+                                                                   -1, -1, -1));
+        _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(_mm256_permute4x64_epi64(hi, 0x08)));
     }
 }
 
@@ -142,7 +149,7 @@ PACKED_F16C static inline void store1(float p, int32_t kind, void *out, int64_t 
 }
 
 /* h[j] lane i -> row i's column j: the 8 x 8 block of 16-bit words transposed, then stored row by row */
-PACKED_F16C static inline void store_block(__m128i h[8], int32_t kind, char *dst, int64_t row_bytes) {
+PACKED_F16C INLINE static void store_block(__m128i h[8], int32_t kind, char *dst, int64_t row_bytes) {
     const __m128i a0 = _mm_unpacklo_epi16(h[0], h[1]), a1 = _mm_unpackhi_epi16(h[0], h[1]);
     const __m128i a2 = _mm_unpacklo_epi16(h[2], h[3]), a3 = _mm_unpackhi_epi16(h[2], h[3]);
     const __m128i a4 = _mm_unpacklo_epi16(h[4], h[5]), a5 = _mm_unpackhi_epi16(h[4], h[5]);
@@ -162,21 +169,21 @@ PACKED_F16C static inline void store_block(__m128i h[8], int32_t kind, char *dst
 }
 
 /* the scales (F16, contiguous along the rows) and zero points of rows n0 .. n0 + 7 in group g (lanes, rows8) */
-PACKED_F16C static inline __m256 scales8(const uint16_t *restrict scales, int64_t at) {
+PACKED_F16C INLINE static __m256 scales8(const uint16_t *restrict scales, int64_t at) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + at)));
 }
 
-PACKED_F16C static inline __m256i zeros8(const uint32_t *restrict zw, int32_t bits, uint32_t add, __m256i shifts) {
+PACKED_F16C INLINE static __m256i zeros8(const uint32_t *restrict zw, int32_t bits, uint32_t add, __m256i shifts) {
     const __m256i w = bits == 4 ? _mm256_set1_epi32((int)(zw[0] + add))
                                 : _mm256_set_m128i(_mm_set1_epi32((int)(zw[1] + add)), _mm_set1_epi32((int)(zw[0] + add)));
     return _mm256_and_si256(_mm256_srlv_epi32(w, shifts), _mm256_set1_epi32((1 << bits) - 1));
 }
 
-/* lanes' loop, `bits` and `by_word` constants after inlining, so that the eight columns unroll */
-PACKED_F16C __attribute__((always_inline)) static inline void lanes_rows(
+/* lanes' loop, `bits` and `kind` constants after inlining, so that the eight columns unroll */
+PACKED_F16C INLINE static void lanes_rows(
     const uint32_t *restrict words, int64_t rows, int64_t n_words, const int bits, const uint16_t *restrict scales,
-    const uint32_t *restrict zeros, uint32_t zero_add, const int32_t *restrict group_of_col, const int by_word,
-    int32_t kind, void *restrict out, int64_t out_stride) {
+    const uint32_t *restrict zeros, uint32_t zero_add, int64_t groups, const int32_t *restrict group_of_col,
+    float *restrict sbuf, int32_t *restrict zbuf, int32_t kind, void *restrict out, int64_t out_stride) {
     const int per = 32 / bits;
     const uint32_t mask = (1u << bits) - 1;
     const int64_t cols = n_words * per, zrow = rows / per, size = kind == 2 ? 4 : 2;
@@ -186,40 +193,23 @@ PACKED_F16C __attribute__((always_inline)) static inline void lanes_rows(
     int64_t n0 = 0;
     for (; n0 + 8 <= rows; n0 += 8) {
         char *dst = (char *)out + n0 * out_stride * size;
-        int32_t ga = -1, gb = -1; /* the groups of the block's first and second four columns (by_word) */
-        __m256 sa = _mm256_setzero_ps(), sb = sa;
-        __m256i za = _mm256_setzero_si256(), zb = za;
+        /* each group's scales and zero points of the block's rows, as vectors (64 bytes a group): a column's group
+         * then costs two loads, whatever g_idx holds (desc_act ran as fast as contiguous groups so, and those no
+         * slower than with a branch per word that reloaded them) */
+        for (int64_t g = 0; g < groups; g++) {
+            _mm256_storeu_ps(sbuf + 8 * g, scales8(scales, g * rows + n0));
+            _mm256_storeu_si256((__m256i *)(zbuf + 8 * g), zeros8(zeros + g * zrow + n0 / per, bits, zero_add, shifts));
+        }
         for (int64_t k0 = 0; k0 < cols; k0 += 8) { /* 8 columns: one word of 4-bit codes, two of 8-bit */
             const int64_t r = k0 / per;
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(words + r * rows + n0));
             const __m256i w1 = bits == 8 ? _mm256_loadu_si256((const __m256i *)(words + (r + 1) * rows + n0)) : w0;
             __m128i h[8];
-            if (by_word) {
-                if (group_of_col[k0] != ga) {
-                    ga = group_of_col[k0];
-                    sa = scales8(scales, (int64_t)ga * rows + n0);
-                    za = zeros8(zeros + ga * zrow + n0 / per, bits, zero_add, shifts);
-                }
-                if (bits == 4) {
-                    sb = sa, zb = za;
-                } else if (group_of_col[k0 + 4] != gb) {
-                    gb = group_of_col[k0 + 4];
-                    sb = scales8(scales, (int64_t)gb * rows + n0);
-                    zb = zeros8(zeros + gb * zrow + n0 / per, bits, zero_add, shifts);
-                }
 #pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) {
-                    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(j < per ? w0 : w1, bits * (j % per)), vmask);
-                    h[j] = f16_products(q, j < 4 ? za : zb, j < 4 ? sa : sb);
-                }
-            } else { /* a group per column (desc_act): its scales and zero points loaded for each */
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) {
-                    const int64_t g = group_of_col[k0 + j];
-                    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(j < per ? w0 : w1, bits * (j % per)), vmask);
-                    h[j] = f16_products(q, zeros8(zeros + g * zrow + n0 / per, bits, zero_add, shifts),
-                                        scales8(scales, g * rows + n0));
-                }
+            for (int j = 0; j < 8; j++) { /* column k0 + j: its group's scales and zero points, made above */
+                const int64_t g = group_of_col[k0 + j];
+                const __m256i q = _mm256_and_si256(_mm256_srli_epi32(j < per ? w0 : w1, bits * (j % per)), vmask);
+                h[j] = f16_products(q, _mm256_loadu_si256((const __m256i *)(zbuf + 8 * g)), _mm256_loadu_ps(sbuf + 8 * g));
             }
             store_block(h, kind, dst + k0 * size, out_stride * size);
         }
@@ -233,18 +223,25 @@ PACKED_F16C __attribute__((always_inline)) static inline void lanes_rows(
         }
 }
 
-PACKED_F16C void ckpttool_packed_lanes(const uint32_t *restrict words, int64_t rows, int64_t n_words, int32_t bits,
-                                       const uint16_t *restrict scales, const uint32_t *restrict zeros,
-                                       uint32_t zero_add, const int32_t *restrict group_of_col, int32_t by_word,
-                                       int32_t kind, void *restrict out, int64_t out_stride) {
-    if (bits == 4 && by_word)
-        lanes_rows(words, rows, n_words, 4, scales, zeros, zero_add, group_of_col, 1, kind, out, out_stride);
-    else if (bits == 4)
-        lanes_rows(words, rows, n_words, 4, scales, zeros, zero_add, group_of_col, 0, kind, out, out_stride);
-    else if (by_word)
-        lanes_rows(words, rows, n_words, 8, scales, zeros, zero_add, group_of_col, 1, kind, out, out_stride);
-    else
-        lanes_rows(words, rows, n_words, 8, scales, zeros, zero_add, group_of_col, 0, kind, out, out_stride);
+#define LANES(BITS, KIND) \
+    lanes_rows(words, rows, n_words, BITS, scales, zeros, zero_add, groups, group_of_col, sbuf, zbuf, KIND, out, out_stride)
+#define LANES_KIND(BITS) (kind == 0 ? LANES(BITS, 0) : kind == 1 ? LANES(BITS, 1) : LANES(BITS, 2))
+
+/* one copy of the loop for each (bits, kind), each with its constants folded */
+PACKED_F16C int32_t ckpttool_packed_lanes(const uint32_t *restrict words, int64_t rows, int64_t n_words, int32_t bits,
+                                          const uint16_t *restrict scales, const uint32_t *restrict zeros,
+                                          uint32_t zero_add, int64_t groups, const int32_t *restrict group_of_col,
+                                          int32_t kind, void *restrict out, int64_t out_stride) {
+    float *sbuf = malloc(sizeof(float) * 8 * (size_t)groups);
+    int32_t *zbuf = malloc(sizeof(int32_t) * 8 * (size_t)groups);
+    if (!sbuf || !zbuf) { /* packed.py raises MemoryError */
+        free(sbuf), free(zbuf);
+        return -1;
+    }
+    if (bits == 4) LANES_KIND(4);
+    else LANES_KIND(8);
+    free(sbuf), free(zbuf);
+    return 0;
 }
 
 PACKED_F16C void ckpttool_packed_rows8(const uint32_t *restrict words, int64_t width, int64_t word_cols,
