@@ -278,11 +278,13 @@ def lanes(words: np.ndarray, bits: int, scales: np.ndarray, zeros: np.ndarray, z
 def rows8(words: np.ndarray, shift_of_row: np.ndarray, scales: np.ndarray, zeros: np.ndarray, kind: str,
           out: np.ndarray) -> None:
     """AWQ GEMM's layout computed: `out` [8 C, K] from 4-bit words [K, C] (row 8c + m at shift_of_row[m]), F16
-    scales [G, 8 C], zero words [G, C] packed as the codes; G contiguous groups of K / G columns."""
+    scales [G, 8 C], zero words [G, C] packed as the codes; G contiguous groups of K / G columns, a multiple of 8
+    unless G is 1 (AWQ's group sizes are)."""
     width, word_cols = words.shape
     groups = scales.shape[0]
-    if groups == 0 or width % groups or sorted(shift_of_row.tolist()) != list(range(0, 32, 4)):
-        raise ValueError(f"{groups} groups of {width} columns, shifts {shift_of_row}")
+    if groups == 0 or width % groups or (groups > 1 and width // groups % 8) or \
+            sorted(shift_of_row.tolist()) != list(range(0, 32, 4)):
+        raise ValueError(f"{groups} groups of {width} columns (whole blocks of 8, or one), shifts {shift_of_row}")
     _check(words, 4, (width, word_cols), "words")
     _check(shift_of_row, 4, (8,), "shift_of_row")
     _check(scales, 2, (groups, 8 * word_cols), "scales")

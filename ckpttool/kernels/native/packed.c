@@ -244,10 +244,11 @@ PACKED_F16C int32_t ckpttool_packed_lanes(const uint32_t *restrict words, int64_
     return 0;
 }
 
-PACKED_F16C void ckpttool_packed_rows8(const uint32_t *restrict words, int64_t width, int64_t word_cols,
-                                       const int32_t *restrict shift_of_row, const uint16_t *restrict scales,
-                                       const uint32_t *restrict zeros, int64_t groups, int32_t kind,
-                                       void *restrict out, int64_t out_stride) {
+/* rows8's loop, `kind` a constant after inlining. Groups are whole blocks of eight columns (or one group) */
+PACKED_F16C INLINE static void rows8_kind(const uint32_t *restrict words, int64_t width, int64_t word_cols,
+                                          const int32_t *restrict shift_of_row, const uint16_t *restrict scales,
+                                          const uint32_t *restrict zeros, int64_t groups, int32_t kind,
+                                          void *restrict out, int64_t out_stride) {
     const int64_t group = width / groups, size = kind == 2 ? 4 : 2, rows = word_cols * 8;
     const __m256i shifts = _mm256_loadu_si256((const __m256i *)shift_of_row), vmask = _mm256_set1_epi32(15);
     const int64_t whole = width / 8 * 8;
@@ -255,21 +256,22 @@ PACKED_F16C void ckpttool_packed_rows8(const uint32_t *restrict words, int64_t w
         const int64_t k2 = k1 + TILE < whole ? k1 + TILE : whole;
         for (int64_t c = 0; c < word_cols; c++) {
             char *dst = (char *)out + c * 8 * out_stride * size;
-            int64_t g = -1;
-            __m256 vs = _mm256_setzero_ps();
-            __m256i vz = _mm256_setzero_si256();
+            int64_t g = k1 / group, next = (g + 1) * group; /* no division a block: the next group's start */
+            __m256 vs = scales8(scales, g * rows + c * 8);
+            __m256i vz = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)zeros[g * word_cols + c]), shifts),
+                                          vmask);
             for (int64_t k0 = k1; k0 < k2; k0 += 8) {
+                if (k0 == next) {
+                    g++, next += group;
+                    vs = scales8(scales, g * rows + c * 8);
+                    vz = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)zeros[g * word_cols + c]), shifts),
+                                          vmask);
+                }
                 __m128i h[8];
+#pragma GCC unroll 8
                 for (int j = 0; j < 8; j++) {
-                    const int64_t k = k0 + j;
-                    if (k / group != g) {
-                        g = k / group;
-                        vs = scales8(scales, g * rows + c * 8);
-                        vz = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)zeros[g * word_cols + c]),
-                                                                shifts), vmask);
-                    }
                     const __m256i q = _mm256_and_si256(
-                        _mm256_srlv_epi32(_mm256_set1_epi32((int)words[k * word_cols + c]), shifts), vmask);
+                        _mm256_srlv_epi32(_mm256_set1_epi32((int)words[(k0 + j) * word_cols + c]), shifts), vmask);
                     h[j] = f16_products(q, vz, vs);
                 }
                 store_block(h, kind, dst + k0 * size, out_stride * size);
@@ -284,11 +286,21 @@ PACKED_F16C void ckpttool_packed_rows8(const uint32_t *restrict words, int64_t w
         }
 }
 
+PACKED_F16C void ckpttool_packed_rows8(const uint32_t *restrict words, int64_t width, int64_t word_cols,
+                                       const int32_t *restrict shift_of_row, const uint16_t *restrict scales,
+                                       const uint32_t *restrict zeros, int64_t groups, int32_t kind,
+                                       void *restrict out, int64_t out_stride) {
+#define ROWS8(KIND) rows8_kind(words, width, word_cols, shift_of_row, scales, zeros, groups, KIND, out, out_stride)
+    if (kind == 0) ROWS8(0);
+    else if (kind == 1) ROWS8(1);
+    else ROWS8(2);
+}
+
 /* 4-bit, groups of whole words (group % 8 == 0): a word's codes share one scale and zero point */
-PACKED_F16C void ckpttool_packed_bcast(const uint32_t *restrict words, int64_t rows, int64_t n_words,
-                                       const uint16_t *restrict scales, int64_t scale_stride,
-                                       const uint32_t *restrict zeros, int64_t zero_stride, int64_t group,
-                                       int32_t kind, void *restrict out, int64_t out_stride) {
+PACKED_F16C INLINE static void bcast_kind(const uint32_t *restrict words, int64_t rows, int64_t n_words,
+                                          const uint16_t *restrict scales, int64_t scale_stride,
+                                          const uint32_t *restrict zeros, int64_t zero_stride, int64_t group,
+                                          int32_t kind, void *restrict out, int64_t out_stride) {
     const int64_t size = kind == 2 ? 4 : 2, per_group = group / 8;
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), vmask = _mm256_set1_epi32(15);
     for (int64_t n = 0; n < rows; n++) {
@@ -304,6 +316,15 @@ PACKED_F16C void ckpttool_packed_bcast(const uint32_t *restrict words, int64_t r
             }
         }
     }
+}
+PACKED_F16C void ckpttool_packed_bcast(const uint32_t *restrict words, int64_t rows, int64_t n_words,
+                                       const uint16_t *restrict scales, int64_t scale_stride,
+                                       const uint32_t *restrict zeros, int64_t zero_stride, int64_t group,
+                                       int32_t kind, void *restrict out, int64_t out_stride) {
+#define BCAST(KIND) bcast_kind(words, rows, n_words, scales, scale_stride, zeros, zero_stride, group, KIND, out, out_stride)
+    if (kind == 0) BCAST(0);
+    else if (kind == 1) BCAST(1);
+    else BCAST(2);
 }
 #else
 int32_t ckpttool_packed_f16c_ok(void) { return 0; }
