@@ -111,7 +111,8 @@ int32_t ckpttool_packed_f16c_ok(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 }
 
-/* eight fp16 products of one vector */
+/* eight fp16 products of one vector. (Not s * q - s * z in one FMA, exact as it is: where q == z under a negative
+ * scale it gives +0.0, the libraries' s * (q - z) -0.0.) */
 PACKED_F16C INLINE static __m128i f16_products(__m256i codes, __m256i zeros, __m256 scales) {
     const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(codes, zeros)), scales);
     return _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -208,7 +209,8 @@ PACKED_F16C INLINE static void lanes_rows(
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) { /* column k0 + j: its group's scales and zero points, made above */
                 const int64_t g = group_of_col[k0 + j];
-                const __m256i q = _mm256_and_si256(_mm256_srli_epi32(j < per ? w0 : w1, bits * (j % per)), vmask);
+                const __m256i wj = _mm256_srli_epi32(j < per ? w0 : w1, bits * (j % per));
+                const __m256i q = j % per == per - 1 ? wj : _mm256_and_si256(wj, vmask); /* the top code: no mask */
                 h[j] = f16_products(q, _mm256_loadu_si256((const __m256i *)(zbuf + 8 * g)), _mm256_loadu_ps(sbuf + 8 * g));
             }
             store_block(h, kind, dst + k0 * size, out_stride * size);
