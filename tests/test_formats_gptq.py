@@ -67,7 +67,9 @@ GPTQ_CASES = [(4, 32, False, False, "gptq", 72), (4, 64, True, True, "gptq_v2", 
               (4, 16, True, False, "gptq", 72), (8, 32, False, False, "gptq", 72), (8, 128, True, True, "gptq_v2", 72),
               (8, -1, False, True, "gptq", 72), (4, 48, True, False, "gptq_v2", 72),
               # 8-bit rows come in fours: 76 leaves four past the computed loop's blocks of eight
-              (8, 32, False, False, "gptq", 76), (8, 64, True, False, "gptq_v2", 76)]
+              (8, 32, False, False, "gptq", 76), (8, 64, True, False, "gptq_v2", 76),
+              # 4-bit groups of a multiple of 64 columns: the byte-shuffle loop, across group boundaries
+              (4, 128, False, False, "gptq", 72), (4, 64, False, True, "gptq_v2", 72)]
 
 
 @pytest.mark.parametrize("nbits, group, desc_act, sym, fmt, rows", GPTQ_CASES)

@@ -281,6 +281,24 @@ def lanes(words: np.ndarray, bits: int, scales: np.ndarray, zeros: np.ndarray, z
         raise MemoryError(f"{groups} groups' scales and zero points for the GPTQ loop")
 
 
+def shuffled(words: np.ndarray, scales: np.ndarray, zeros: np.ndarray, zero_add: int, kind: str,
+             out: np.ndarray) -> bool:
+    """`lanes` for 4-bit codes in contiguous groups of a multiple of 64 columns, F16 or BF16 out: each (row, group)'s
+    16 outputs made once, then looked up by byte shuffles. Returns False (nothing done) where that does not apply."""
+    n_words, rows = words.shape
+    groups = scales.shape[0]
+    if kind not in ("F16", "BF16") or groups == 0 or n_words % groups or (n_words // groups) % 8 or rows % 8:
+        return False
+    _check(words, 4, (n_words, rows), "words")
+    _check(scales, 2, (groups, rows), "scales")
+    _check(zeros, 4, (groups, rows // 8), "zeros")
+    _check_out(out, kind, (rows, n_words * 8))
+    native.library().ckpttool_packed_shuffled(words.ctypes.data, rows, n_words, scales.ctypes.data, zeros.ctypes.data,
+                                              zero_add, n_words // groups * 8, _KIND[kind], out.ctypes.data,
+                                              out.strides[0] // out.itemsize)
+    return True
+
+
 def rows8(words: np.ndarray, shift_of_row: np.ndarray, scales: np.ndarray, zeros: np.ndarray, kind: str,
           out: np.ndarray) -> None:
     """AWQ GEMM's layout computed: `out` [8 C, K] from 4-bit words [K, C] (row 8c + m at shift_of_row[m]), F16

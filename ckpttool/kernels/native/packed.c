@@ -118,22 +118,22 @@ PACKED_F16C INLINE static __m128i f16_products(__m256i codes, __m256i zeros, __m
     return _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+/* eight fp16 values as BF16 words */
+PACKED_F16C INLINE static __m128i bf16_of(__m128i h) {
+    const __m256i u = _mm256_castps_si256(_mm256_cvtph_ps(h));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+    /* each sum's high half: bytes 2, 3 of each word to the low 8 bytes of each 128-bit lane, then those joined */
+    const __m256i hi = _mm256_shuffle_epi8(r, _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                               2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(hi, 0x08));
+}
+
 /* eight fp16 values as the output's words at dst */
 PACKED_F16C INLINE static void store8(__m128i h, int32_t kind, void *dst) {
-    if (kind == 0) {
-        _mm_storeu_si128((__m128i *)dst, h);
-    } else if (kind == 2) {
-        _mm256_storeu_ps((float *)dst, _mm256_cvtph_ps(h));
-    } else {
-        const __m256i u = _mm256_castps_si256(_mm256_cvtph_ps(h));
-        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
-        /* each sum's high half: bytes 2, 3 of each word to the low 8 bytes of each 128-bit lane, then those joined */
-        const __m256i hi = _mm256_shuffle_epi8(r, _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1,
-                                                                   -1, 2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1,
-                                                                   -1, -1, -1));
-        _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(_mm256_permute4x64_epi64(hi, 0x08)));
-    }
+    if (kind == 0) _mm_storeu_si128((__m128i *)dst, h);
+    else if (kind == 2) _mm256_storeu_ps((float *)dst, _mm256_cvtph_ps(h));
+    else _mm_storeu_si128((__m128i *)dst, bf16_of(h));
 }
 
 PACKED_F16C static inline void store1(float p, int32_t kind, void *out, int64_t i) {
@@ -149,8 +149,8 @@ PACKED_F16C static inline void store1(float p, int32_t kind, void *out, int64_t 
     }
 }
 
-/* h[j] lane i -> row i's column j: the 8 x 8 block of 16-bit words transposed, then stored row by row */
-PACKED_F16C INLINE static void store_block(__m128i h[8], int32_t kind, char *dst, int64_t row_bytes) {
+/* h[j] lane i -> t[i] lane j: an 8 x 8 block of 16-bit words transposed */
+PACKED_F16C INLINE static void transpose16(const __m128i h[8], __m128i t[8]) {
     const __m128i a0 = _mm_unpacklo_epi16(h[0], h[1]), a1 = _mm_unpackhi_epi16(h[0], h[1]);
     const __m128i a2 = _mm_unpacklo_epi16(h[2], h[3]), a3 = _mm_unpackhi_epi16(h[2], h[3]);
     const __m128i a4 = _mm_unpacklo_epi16(h[4], h[5]), a5 = _mm_unpackhi_epi16(h[4], h[5]);
@@ -159,14 +159,17 @@ PACKED_F16C INLINE static void store_block(__m128i h[8], int32_t kind, char *dst
     const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
     const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
     const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
-    store8(_mm_unpacklo_epi64(b0, b4), kind, dst);
-    store8(_mm_unpackhi_epi64(b0, b4), kind, dst + row_bytes);
-    store8(_mm_unpacklo_epi64(b1, b5), kind, dst + 2 * row_bytes);
-    store8(_mm_unpackhi_epi64(b1, b5), kind, dst + 3 * row_bytes);
-    store8(_mm_unpacklo_epi64(b2, b6), kind, dst + 4 * row_bytes);
-    store8(_mm_unpackhi_epi64(b2, b6), kind, dst + 5 * row_bytes);
-    store8(_mm_unpacklo_epi64(b3, b7), kind, dst + 6 * row_bytes);
-    store8(_mm_unpackhi_epi64(b3, b7), kind, dst + 7 * row_bytes);
+    t[0] = _mm_unpacklo_epi64(b0, b4), t[1] = _mm_unpackhi_epi64(b0, b4);
+    t[2] = _mm_unpacklo_epi64(b1, b5), t[3] = _mm_unpackhi_epi64(b1, b5);
+    t[4] = _mm_unpacklo_epi64(b2, b6), t[5] = _mm_unpackhi_epi64(b2, b6);
+    t[6] = _mm_unpacklo_epi64(b3, b7), t[7] = _mm_unpackhi_epi64(b3, b7);
+}
+
+/* h[j] lane i -> row i's column j, stored row by row */
+PACKED_F16C INLINE static void store_block(__m128i h[8], int32_t kind, char *dst, int64_t row_bytes) {
+    __m128i t[8];
+    transpose16(h, t);
+    for (int i = 0; i < 8; i++) store8(t[i], kind, dst + i * row_bytes);
 }
 
 /* the scales (F16, contiguous along the rows) and zero points of rows n0 .. n0 + 7 in group g (lanes, rows8) */
@@ -296,6 +299,83 @@ PACKED_F16C void ckpttool_packed_rows8(const uint32_t *restrict words, int64_t w
     if (kind == 0) ROWS8(0);
     else if (kind == 1) ROWS8(1);
     else ROWS8(2);
+}
+
+/* GPTQ 4-bit, contiguous groups of a multiple of 64 columns (any group size ending at K too), F16 or BF16 out:
+ * lanes' products made once per (row, group) as a 16-entry table of output words (its low and high bytes
+ * two 16-byte tables), then each byte of codes two outputs by byte shuffles, 32 bytes at a time (bitsandbytes'
+ * loop in bnb.c does the same). The words come 8 rows x 8 words at a time, transposed so that a row's 8 words,
+ * 64 codes, sit in one vector. */
+PACKED_F16C INLINE static void shuffled_kind(const uint32_t *restrict words, int64_t rows, int64_t n_words,
+                                             const uint16_t *restrict scales, const uint32_t *restrict zeros,
+                                             uint32_t zero_add, int64_t group, int32_t kind, void *restrict out,
+                                             int64_t out_stride) {
+    const int64_t zrow = rows / 8, per_group = group / 8;
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low = _mm256_set1_epi8(0x0F);
+    const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t n0 = 0; n0 < rows; n0 += 8) { /* rows: a multiple of 8 (checked) */
+        uint16_t *dst0 = (uint16_t *)out + n0 * out_stride;
+        for (int64_t r0 = 0, g = 0; r0 < n_words; r0 += per_group, g++) {
+            __m128i tlo[8], thi[8];
+            { /* the 8 rows' tables: product q of row i, for q < 16, as output words, then split into bytes */
+                const __m256 vs = scales8(scales, g * rows + n0);
+                const __m256i vz = zeros8(zeros + g * zrow + n0 / 8, 4, zero_add, shifts);
+                __m128i h[16], t0[8], t1[8];
+                for (int q = 0; q < 16; q++) {
+                    h[q] = f16_products(_mm256_set1_epi32(q), vz, vs);
+                    if (kind == 1) h[q] = bf16_of(h[q]);
+                }
+                transpose16(h, t0);
+                transpose16(h + 8, t1);
+                for (int i = 0; i < 8; i++) {
+                    const __m128i a = _mm_shuffle_epi8(t0[i], split), b = _mm_shuffle_epi8(t1[i], split);
+                    tlo[i] = _mm_unpacklo_epi64(a, b), thi[i] = _mm_unpackhi_epi64(a, b);
+                }
+            }
+            for (int64_t r = r0; r < r0 + per_group; r += 8) {
+                __m256i w[8];
+                for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(words + (r + j) * rows + n0));
+                /* 8 x 8 words transposed: R[i] = row n0 + i's words r .. r + 7 */
+                const __m256i t0 = _mm256_unpacklo_epi32(w[0], w[1]), t1 = _mm256_unpackhi_epi32(w[0], w[1]);
+                const __m256i t2 = _mm256_unpacklo_epi32(w[2], w[3]), t3 = _mm256_unpackhi_epi32(w[2], w[3]);
+                const __m256i t4 = _mm256_unpacklo_epi32(w[4], w[5]), t5 = _mm256_unpackhi_epi32(w[4], w[5]);
+                const __m256i t6 = _mm256_unpacklo_epi32(w[6], w[7]), t7 = _mm256_unpackhi_epi32(w[6], w[7]);
+                const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+                const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+                const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+                const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+                __m256i R[8];
+                R[0] = _mm256_permute2x128_si256(u0, u4, 0x20), R[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+                R[1] = _mm256_permute2x128_si256(u1, u5, 0x20), R[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+                R[2] = _mm256_permute2x128_si256(u2, u6, 0x20), R[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+                R[3] = _mm256_permute2x128_si256(u3, u7, 0x20), R[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+                for (int i = 0; i < 8; i++) { /* byte b of R[i]: columns 8r + 2b (low nibble) and 8r + 2b + 1 */
+                    const __m256i TL = _mm256_broadcastsi128_si256(tlo[i]), TH = _mm256_broadcastsi128_si256(thi[i]);
+                    const __m256i lo = _mm256_and_si256(R[i], low), hi = _mm256_and_si256(_mm256_srli_epi16(R[i], 4), low);
+                    const __m256i e0 = _mm256_unpacklo_epi8(_mm256_shuffle_epi8(TL, lo), _mm256_shuffle_epi8(TH, lo));
+                    const __m256i e1 = _mm256_unpackhi_epi8(_mm256_shuffle_epi8(TL, lo), _mm256_shuffle_epi8(TH, lo));
+                    const __m256i o0 = _mm256_unpacklo_epi8(_mm256_shuffle_epi8(TL, hi), _mm256_shuffle_epi8(TH, hi));
+                    const __m256i o1 = _mm256_unpackhi_epi8(_mm256_shuffle_epi8(TL, hi), _mm256_shuffle_epi8(TH, hi));
+                    /* per 128-bit lane, x0: bytes 0-3 (lane 1: 16-19) -> 8 columns; x1 bytes 4-7; x2 8-11; x3 12-15 */
+                    const __m256i x0 = _mm256_unpacklo_epi16(e0, o0), x1 = _mm256_unpackhi_epi16(e0, o0);
+                    const __m256i x2 = _mm256_unpacklo_epi16(e1, o1), x3 = _mm256_unpackhi_epi16(e1, o1);
+                    uint16_t *d = dst0 + i * out_stride + r * 8;
+                    _mm256_storeu_si256((__m256i *)d, _mm256_permute2x128_si256(x0, x1, 0x20));
+                    _mm256_storeu_si256((__m256i *)(d + 16), _mm256_permute2x128_si256(x2, x3, 0x20));
+                    _mm256_storeu_si256((__m256i *)(d + 32), _mm256_permute2x128_si256(x0, x1, 0x31));
+                    _mm256_storeu_si256((__m256i *)(d + 48), _mm256_permute2x128_si256(x2, x3, 0x31));
+                }
+            }
+        }
+    }
+}
+
+PACKED_F16C void ckpttool_packed_shuffled(const uint32_t *restrict words, int64_t rows, int64_t n_words,
+                                          const uint16_t *restrict scales, const uint32_t *restrict zeros,
+                                          uint32_t zero_add, int64_t group, int32_t kind, void *restrict out,
+                                          int64_t out_stride) {
+    if (kind == 0) shuffled_kind(words, rows, n_words, scales, zeros, zero_add, group, 0, out, out_stride);
+    else shuffled_kind(words, rows, n_words, scales, zeros, zero_add, group, 1, out, out_stride);
 }
 
 /* 4-bit, groups of whole words (group % 8 == 0): a word's codes share one scale and zero point */
