@@ -99,6 +99,8 @@ ROWS(ckpttool_packed_rows_u32, uint32_t)
  *          rows' scales and zero points made once per block of rows
  *   rows8: AWQ GEMM's [K, C] words, a word's 8 nibbles the 8 rows of a vector, 8 words (columns) a block
  *   bcast: AWQ GEMV's [N, K / 8] words, a word's 8 nibbles 8 consecutive outputs of one row
+ *   shuffled: lanes for 4-bit codes in groups of a multiple of 64 columns, F16/BF16 out: a (row, group)'s 16
+ *          outputs as two 16-byte tables, two outputs a byte by PSHUFB
  * kind: 0 F16, 1 BF16 (uint16 out), 2 F32 (uint32 out). Rows (lanes) or columns (rows8) past the last whole
  * block of eight are computed one at a time with the scalar F16C conversions. */
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -409,5 +411,31 @@ PACKED_F16C void ckpttool_packed_bcast(const uint32_t *restrict words, int64_t r
     else BCAST(2);
 }
 #else
+/* elsewhere the symbols kernels/native.py binds exist, and packed.computed() keeps Python from calling them */
 int32_t ckpttool_packed_f16c_ok(void) { return 0; }
+int32_t ckpttool_packed_lanes(const uint32_t *words, int64_t rows, int64_t n_words, int32_t bits,
+                              const uint16_t *scales, const uint32_t *zeros, uint32_t zero_add, int64_t groups,
+                              const int32_t *group_of_col, int32_t kind, void *out, int64_t out_stride) {
+    (void)words, (void)rows, (void)n_words, (void)bits, (void)scales, (void)zeros, (void)zero_add, (void)groups;
+    (void)group_of_col, (void)kind, (void)out, (void)out_stride;
+    return -2;
+}
+void ckpttool_packed_shuffled(const uint32_t *words, int64_t rows, int64_t n_words, const uint16_t *scales,
+                              const uint32_t *zeros, uint32_t zero_add, int64_t group, int32_t kind, void *out,
+                              int64_t out_stride) {
+    (void)words, (void)rows, (void)n_words, (void)scales, (void)zeros, (void)zero_add, (void)group, (void)kind;
+    (void)out, (void)out_stride;
+}
+void ckpttool_packed_rows8(const uint32_t *words, int64_t width, int64_t word_cols, const int32_t *shift_of_row,
+                           const uint16_t *scales, const uint32_t *zeros, int64_t groups, int32_t kind, void *out,
+                           int64_t out_stride) {
+    (void)words, (void)width, (void)word_cols, (void)shift_of_row, (void)scales, (void)zeros, (void)groups;
+    (void)kind, (void)out, (void)out_stride;
+}
+void ckpttool_packed_bcast(const uint32_t *words, int64_t rows, int64_t n_words, const uint16_t *scales,
+                           int64_t scale_stride, const uint32_t *zeros, int64_t zero_stride, int64_t group,
+                           int32_t kind, void *out, int64_t out_stride) {
+    (void)words, (void)rows, (void)n_words, (void)scales, (void)scale_stride, (void)zeros, (void)zero_stride;
+    (void)group, (void)kind, (void)out, (void)out_stride;
+}
 #endif
