@@ -201,6 +201,9 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--no-cuda", action="store_true")
     p.add_argument("--no-variants", action="store_true", help="only issue 16's formats and the FP8 family")
+    p.add_argument("--only", help="comma-separated prefixes: time only the CPU rows named so (fp8_block always)")
+    p.add_argument("--thread-time", action="store_true", help="CPU rows timed by the thread's CPU time, not the wall "
+                   "clock: steadier where other processes share the cores (the time waiting for a core not counted)")
     p.add_argument("--seeds", help="directory holding DeepSeek's kernel.py: its weight_dequant joins the CUDA rounds "
                                    "on fp8_block's input (issue 17's reference)")
     args = p.parse_args()
@@ -221,13 +224,17 @@ def main() -> int:
                   dtypes)
         calls[v] = (lambda v=v, c=c: BY_NAME[VARIANTS[v][0]].cpu(c, "BF16", None))
     out_bytes = {v: math.prod(BY_NAME[VARIANTS[v][0]].out_shape(tuple(x.shape))) * 2 for v, (x, *_) in variants.items()}
+    if args.only:
+        calls = {n: c for n, c in calls.items() if n == "fp8_block" or n.startswith(tuple(args.only.split(",")))}
     times: dict[str, list[float]] = {n: [] for n in calls}
+    clock = time.thread_time if args.thread_time else time.perf_counter
+    result["clock"] = clock.__name__
     for rep in range(args.reps + 1):
         for n, call in calls.items():  # interleaved: the machine's load hits every format alike
-            t0 = time.perf_counter()
+            t0 = clock()
             call()
             if rep:  # the first round warms tables and caches
-                times[n].append(time.perf_counter() - t0)
+                times[n].append(clock() - t0)
     for n in calls:
         nbytes = packed[n][1] if n in packed else moved(*data[n][:2], rows, cols) if n in data else \
             sum(t.numel() * t.element_size() for t in (variants[n][0], *variants[n][2].values())) + out_bytes[n]

@@ -52,36 +52,56 @@ def awq_chunk(parts: dict) -> Chunk:
 
 
 # -- kernels against the libraries -----------------------------------------------------------------------
-GPTQ_CASES = [(4, 32, False, False, "gptq"), (4, 64, True, True, "gptq_v2"), (4, -1, False, False, "gptq"),
-              (4, 16, True, False, "gptq"), (8, 32, False, False, "gptq"), (8, 128, True, True, "gptq_v2"),
-              (8, -1, False, True, "gptq"), (4, 48, True, False, "gptq_v2")]
+def c_paths(cpu_kernels: str, monkeypatch):
+    """The C form's two paths where it has both (kernels/packed.py: computed with AVX2 and F16C, CKPTTOOL_SIMD 2;
+    the tables with it capped at 0); every other form once. Yields whether the computed loops run."""
+    from ckpttool.kernels import packed
+
+    for level in ((0, 2) if cpu_kernels == "c" else (None,)):
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        yield packed.computed()
 
 
-@pytest.mark.parametrize("nbits, group, desc_act, sym, fmt", GPTQ_CASES)
-def test_gptq_equals_gptqmodel(nbits, group, desc_act, sym, fmt, cpu_kernels):
-    w = weight(72, 384, nbits + group)
+GPTQ_CASES = [(4, 32, False, False, "gptq", 72), (4, 64, True, True, "gptq_v2", 72), (4, -1, False, False, "gptq", 72),
+              (4, 16, True, False, "gptq", 72), (8, 32, False, False, "gptq", 72), (8, 128, True, True, "gptq_v2", 72),
+              (8, -1, False, True, "gptq", 72), (4, 48, True, False, "gptq_v2", 72),
+              # 8-bit rows come in fours: 76 leaves four past the computed loop's blocks of eight
+              (8, 32, False, False, "gptq", 76), (8, 64, True, False, "gptq_v2", 76),
+              # 4-bit groups of a multiple of 64 columns: the byte-shuffle loop, across group boundaries
+              (4, 128, False, False, "gptq", 72), (4, 64, False, True, "gptq_v2", 72)]
+
+
+@pytest.mark.parametrize("nbits, group, desc_act, sym, fmt, rows", GPTQ_CASES)
+def test_gptq_equals_gptqmodel(nbits, group, desc_act, sym, fmt, rows, cpu_kernels, monkeypatch):
+    w = weight(rows, 384, nbits + group)
     scales, zeros, g_idx = gptq_params(w, nbits, group, sym, desc_act, seed=5)
     qweight, qzeros, stored, g_idx = gptq_pack(w, scales, zeros, g_idx, nbits)
     want = gptq_dequantize(qweight, qzeros, stored, g_idx, nbits, v1=False).T
     if fmt == "gptq":
         qzeros = to_v1(qzeros, nbits)
     row = gptq_row(nbits, group, fmt, desc_act)
-    for out, dtype in (("BF16", torch.bfloat16), ("F16", torch.float16)):
-        ours = row.cpu(gptq_chunk(qweight, qzeros, stored, g_idx), out, None)
-        assert torch.equal(torch.from_numpy(ours.view(np.int16)), bits(want.to(dtype))), out
-    ours = row.cpu(gptq_chunk(qweight, qzeros, stored, g_idx), "F32", None)
-    assert torch.equal(torch.from_numpy(ours.view(np.float32)), want.float())
+    for computed in c_paths(cpu_kernels, monkeypatch):
+        for out, dtype in (("BF16", torch.bfloat16), ("F16", torch.float16)):
+            ours = row.cpu(gptq_chunk(qweight, qzeros, stored, g_idx), out, None)
+            assert torch.equal(torch.from_numpy(ours.view(np.int16)), bits(want.to(dtype))), (out, computed)
+        ours = row.cpu(gptq_chunk(qweight, qzeros, stored, g_idx), "F32", None)
+        assert torch.equal(torch.from_numpy(ours.view(np.float32)), want.float()), computed
 
 
-@pytest.mark.parametrize("version, group", [("gemm", 32), ("gemm", 128), ("gemm", -1), ("gemv", 32), ("gemv", 64),
-                                            ("gemv", 128), ("gemv", -1)])
-def test_awq_equals_autoawq(version, group, cpu_kernels):
-    parts = awq_layers(weight(64, 256, group).half(), group, version)
-    ours = awq_row(version, group).cpu(awq_chunk(parts), "BF16", None)
-    assert torch.equal(torch.from_numpy(ours.view(np.int16)), bits(parts["oracle"].to(torch.bfloat16)))
+@pytest.mark.parametrize("version, group, cols", [("gemm", 32, 256), ("gemm", 128, 256), ("gemm", -1, 256),
+                                                  ("gemm", -1, 260), ("gemv", 32, 256), ("gemv", 64, 256),
+                                                  ("gemv", 128, 256), ("gemv", -1, 256)])
+def test_awq_equals_autoawq(version, group, cols, cpu_kernels, monkeypatch):
+    """(GEMM with 260 inputs: four columns past the computed loop's blocks of eight.)"""
+    parts = awq_layers(weight(64, cols, group).half(), group, version)
+    for computed in c_paths(cpu_kernels, monkeypatch):
+        for out, dtype in (("BF16", torch.bfloat16), ("F16", torch.float16), ("F32", torch.float32)):
+            ours = awq_row(version, group).cpu(awq_chunk(parts), out, None)
+            assert torch.equal(torch.from_numpy(ours).view(dtype), parts["oracle"].to(dtype)), (out, computed)
 
 
-def test_extremes_equal_gptqmodel(cpu_kernels):
+def test_extremes_equal_gptqmodel(cpu_kernels, monkeypatch):
     """Every code against zero points 0 and 15 (v1 stores -1: the borrow and carry gptqmodel's conversion makes),
     and scales whose fp16 products overflow to infinity or fall to subnormals and zero."""
     k, n = 64, 48
@@ -93,8 +113,9 @@ def test_extremes_equal_gptqmodel(cpu_kernels):
     qweight, qzeros, stored, g_idx = gptq_pack(w, scales[:, None], zeros[:, None], g_idx, 4)
     want = gptq_dequantize(qweight, qzeros, stored, g_idx, 4, v1=False).T
     assert torch.isinf(want).any() and (want == 0).any()
-    ours = gptq_row(4, -1, "gptq", False).cpu(gptq_chunk(qweight, to_v1(qzeros, 4), stored, g_idx), "BF16", None)
-    assert torch.equal(torch.from_numpy(ours.view(np.int16)), bits(want.to(torch.bfloat16)))
+    for computed in c_paths(cpu_kernels, monkeypatch):
+        ours = gptq_row(4, -1, "gptq", False).cpu(gptq_chunk(qweight, to_v1(qzeros, 4), stored, g_idx), "BF16", None)
+        assert torch.equal(torch.from_numpy(ours.view(np.int16)), bits(want.to(torch.bfloat16))), computed
 
 
 def test_gptq_copies_equal_gptqmodel():

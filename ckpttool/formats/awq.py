@@ -107,13 +107,20 @@ def _cpu(gemv: bool, group: int):
         if gemv:
             rows, k = words.shape[0], words.shape[1] * 8
             result = _result(into, rows, k, out)
-            if result.size:
+            if result.size and packed.computed():
+                packed.bcast(words, np.ascontiguousarray(c.scale).view(np.uint16),
+                             np.ascontiguousarray(c.sides["zero"]).view(np.uint32), k if group == -1 else group, out,
+                             result)
+            elif result.size:
                 table, off, by_col, by_word = _gemv_prepare(c, k, group, out)
                 packed.cols(words, False, 4, off, by_word, by_col, table, result)
             return result
         k, rows = words.shape[0], words.shape[1] * 8
         result = _result(into, rows, k, out)
-        if result.size:
+        if result.size and packed.computed():
+            packed.rows8(words, SHIFT_OF_ROW, np.ascontiguousarray(c.scale).view(np.uint16),
+                         np.ascontiguousarray(c.sides["zero"]).view(np.uint32), out, result)
+        elif result.size:
             table, off, by_col = _gemm_prepare(c, k, group, out)
             packed.rows(words, SHIFT_OF_ROW, off, by_col, table, result)
         return result

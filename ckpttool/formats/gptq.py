@@ -104,7 +104,15 @@ def _cpu(bits: int, version: str):
         rows, k = words.shape[1], words.shape[0] * (32 // bits)
         dtype = packed.carrier(out)
         result = np.empty((rows, k), dtype=dtype) if into is None else into.view(dtype).reshape(rows, k)
-        if result.size:
+        if result.size and packed.computed():
+            scales = np.ascontiguousarray(c.scale).view(np.uint16)
+            zeros, add = np.ascontiguousarray(c.sides["zero"]).view(np.uint32), V1_OFFSET[bits] if version == "gptq" else 0
+            g_idx = np.ascontiguousarray(c.sides["g_idx"], dtype=np.int32)
+            contiguous = bits == 4 and k % scales.shape[0] == 0 and \
+                np.array_equal(g_idx, packed.contiguous_groups(k, k // scales.shape[0]))
+            if not (contiguous and packed.shuffled(words, scales, zeros, add, out, result)):
+                packed.lanes(words, bits, scales, zeros, add, g_idx, out, result)
+        elif result.size:
             table, off, word_groups, g_idx = _prepare(c, bits, version, out)
             packed.cols(words, True, bits, off, word_groups, g_idx, table, result)
         return result

@@ -50,6 +50,12 @@ _SIGNATURES = {
        for t in ("u16", "u32")},  # kernels/packed.py (GPTQ, AWQ), which checks their arguments
     **{f"ckpttool_packed_rows_{t}": ([_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64], None) for t in ("u16", "u32")},
     "ckpttool_simd_level": ([], ctypes.c_int32),
+    "ckpttool_packed_f16c_ok": ([], ctypes.c_int32),  # kernels/packed.py's computed loops, which check their arguments
+    "ckpttool_packed_lanes": ([_P, _I64, _I64, ctypes.c_int32, _P, _P, ctypes.c_uint32, _I64, _P, ctypes.c_int32, _P,
+                               _I64], ctypes.c_int32),
+    "ckpttool_packed_shuffled": ([_P, _I64, _I64, _P, _P, ctypes.c_uint32, _I64, ctypes.c_int32, _P, _I64], None),
+    "ckpttool_packed_rows8": ([_P, _I64, _I64, _P, _P, _P, _I64, ctypes.c_int32, _P, _I64], None),
+    "ckpttool_packed_bcast": ([_P, _I64, _I64, _P, _I64, _P, _I64, _I64, ctypes.c_int32, _P, _I64], None),
     "ckpttool_bnb4_u16": ([_P, _I64, _P, _P, _I64, ctypes.c_int32, ctypes.c_int32, _P], None),
     "ckpttool_bnb4_u32": ([_P, _I64, _P, _P, _I64, _P], None),
     "ckpttool_bnb8": ([_P, _I64, _P, _I64, _I64, ctypes.c_int32, ctypes.c_int32, _P, _I64], None),

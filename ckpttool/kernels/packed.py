@@ -17,6 +17,12 @@ one gather, out[n, k] = tables[off[n, g(k)] + code], wherever the format packs i
 
 g(k) is the group of column k: a group per word where every code of a word shares one (group_of_word),
 else one per column (GPTQ's g_idx under desc_act: group_of_col).
+
+Where the C library runs on x86 with AVX2 and F16C (`computed()`), no table is made: the product is computed
+eight at a time (VCVTPS2PH is the fp16 rounding), straight from the stored scales and packed zero points, by
+`lanes` (GPTQ), `rows8` (AWQ GEMM) and `bcast` (AWQ GEMV): 0.9-1.3x FP8 block per output byte on the 2-core
+box where the tables ran 0.15-0.73x (bench/RESULTS.md). The tables serve CKPTTOOL_SIMD < 2, other CPUs, numba
+and numpy, and the CUDA path.
 """
 
 from __future__ import annotations
@@ -231,6 +237,102 @@ def _numba_loops(numba):
                     d[k] = table[np.int64(o[group_of_col[k]]) + np.int64((words[k, c] >> s) & np.uint32(15))]
 
     return cols_loop, rows_loop
+
+
+# -- computed (C with AVX2 and F16C) ---------------------------------------------------------------------
+_KIND = {"F16": 0, "BF16": 1, "F32": 2}
+
+
+def computed() -> bool:
+    """Whether the loops that compute fp16(s * (q - z)) per element run here: the C library with AVX2 and F16C,
+    vector instructions not capped below AVX2 (CKPTTOOL_SIMD); else the tables and the loops above."""
+    lib = native.library()
+    return lib is not None and native.simd() >= 2 and bool(lib.ckpttool_packed_f16c_ok())
+
+
+def _check_out(out: np.ndarray, kind: str, shape: tuple[int, int]) -> None:
+    if out.shape != shape or out.strides[1] != out.itemsize or out.dtype != carrier(kind) or kind not in _KIND:
+        raise ValueError(f"out: {out.dtype} {out.shape}, expected {kind}'s carrier {list(shape)}")
+
+
+def _check(a: np.ndarray, itemsize: int, shape: tuple[int, ...], name: str) -> None:
+    if a.dtype.itemsize != itemsize or a.shape != shape or not a.flags.c_contiguous:
+        raise ValueError(f"{name}: a C-contiguous {8 * itemsize}-bit array {list(shape)}, not {a.dtype} {a.shape}")
+
+
+def lanes(words: np.ndarray, bits: int, scales: np.ndarray, zeros: np.ndarray, zero_add: int,
+          group_of_col: np.ndarray, kind: str, out: np.ndarray) -> None:
+    """GPTQ's layout computed: `out` [N, K] from words [K / per, N], F16 scales [G, N], zero words [G, N / per]
+    (each plus `zero_add`, wrapping), column k's group group_of_col[k]."""
+    per = 32 // bits
+    n_words, rows = words.shape
+    groups = scales.shape[0]
+    if rows % per:
+        raise ValueError(f"words: {rows} rows, not whole zero-point words of {per}")
+    _check(words, 4, (n_words, rows), "words")
+    _check(scales, 2, (groups, rows), "scales")
+    _check(zeros, 4, (groups, rows // per), "zeros")
+    _check(group_of_col, 4, (n_words * per,), "group_of_col")
+    _check_groups(group_of_col, groups)
+    _check_out(out, kind, (rows, n_words * per))
+    if native.library().ckpttool_packed_lanes(words.ctypes.data, rows, n_words, bits, scales.ctypes.data,
+                                              zeros.ctypes.data, zero_add, groups, group_of_col.ctypes.data,
+                                              _KIND[kind], out.ctypes.data, out.strides[0] // out.itemsize):
+        raise MemoryError(f"{groups} groups' scales and zero points for the GPTQ loop")
+
+
+def shuffled(words: np.ndarray, scales: np.ndarray, zeros: np.ndarray, zero_add: int, kind: str,
+             out: np.ndarray) -> bool:
+    """`lanes` for 4-bit codes in contiguous groups of a multiple of 64 columns, F16 or BF16 out: each (row, group)'s
+    16 outputs made once, then looked up by byte shuffles. Returns False (nothing done) where that does not apply."""
+    n_words, rows = words.shape
+    groups = scales.shape[0]
+    if kind not in ("F16", "BF16") or groups == 0 or n_words % groups or (n_words // groups) % 8 or rows % 8:
+        return False
+    _check(words, 4, (n_words, rows), "words")
+    _check(scales, 2, (groups, rows), "scales")
+    _check(zeros, 4, (groups, rows // 8), "zeros")
+    _check_out(out, kind, (rows, n_words * 8))
+    native.library().ckpttool_packed_shuffled(words.ctypes.data, rows, n_words, scales.ctypes.data, zeros.ctypes.data,
+                                              zero_add, n_words // groups * 8, _KIND[kind], out.ctypes.data,
+                                              out.strides[0] // out.itemsize)
+    return True
+
+
+def rows8(words: np.ndarray, shift_of_row: np.ndarray, scales: np.ndarray, zeros: np.ndarray, kind: str,
+          out: np.ndarray) -> None:
+    """AWQ GEMM's layout computed: `out` [8 C, K] from 4-bit words [K, C] (row 8c + m at shift_of_row[m]), F16
+    scales [G, 8 C], zero words [G, C] packed as the codes; G contiguous groups of K / G columns, a multiple of 8
+    unless G is 1 (AWQ's group sizes are)."""
+    width, word_cols = words.shape
+    groups = scales.shape[0]
+    if groups == 0 or width % groups or (groups > 1 and width // groups % 8) or \
+            sorted(shift_of_row.tolist()) != list(range(0, 32, 4)):
+        raise ValueError(f"{groups} groups of {width} columns (whole blocks of 8, or one), shifts {shift_of_row}")
+    _check(words, 4, (width, word_cols), "words")
+    _check(shift_of_row, 4, (8,), "shift_of_row")
+    _check(scales, 2, (groups, 8 * word_cols), "scales")
+    _check(zeros, 4, (groups, word_cols), "zeros")
+    _check_out(out, kind, (8 * word_cols, width))
+    native.library().ckpttool_packed_rows8(words.ctypes.data, width, word_cols, shift_of_row.ctypes.data,
+                                           scales.ctypes.data, zeros.ctypes.data, groups, _KIND[kind],
+                                           out.ctypes.data, out.strides[0] // out.itemsize)
+
+
+def bcast(words: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group: int, kind: str, out: np.ndarray) -> None:
+    """AWQ GEMV's layout computed: `out` [N, K] from 4-bit words [N, K / 8], F16 scales [N, >= G] and zero words
+    [N, >= G / 8] (group g's zero point at nibble g % 8 of word g // 8), groups of `group` columns, whole words."""
+    rows, n_words = words.shape
+    count = -(-n_words * 8 // group) if group > 0 else 0
+    if group <= 0 or group % 8 or scales.shape[1] < count or zeros.shape[1] < -(-count // 8):
+        raise ValueError(f"groups of {group}: {count} of them, scales {scales.shape}, zero words {zeros.shape}")
+    _check(words, 4, (rows, n_words), "words")
+    _check(scales, 2, (rows, scales.shape[1]), "scales")
+    _check(zeros, 4, (rows, zeros.shape[1]), "zeros")
+    _check_out(out, kind, (rows, n_words * 8))
+    native.library().ckpttool_packed_bcast(words.ctypes.data, rows, n_words, scales.ctypes.data, scales.shape[1],
+                                           zeros.ctypes.data, zeros.shape[1], group, _KIND[kind], out.ctypes.data,
+                                           out.strides[0] // out.itemsize)
 
 
 # -- CUDA ------------------------------------------------------------------------------------------------
