@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ckpttool import __version__
 from ckpttool.dtypes import itemsize
+from ckpttool.layouts.row import Layout
 
 HEADER_ALIGN = 8
 
@@ -74,11 +75,19 @@ class Plan:
     files: list[OutFile]
     inputs: dict[str, dict]
     """input file name -> {"size": bytes, "header_sha256": ...}: resume refuses changed inputs"""
-    format: str  # "hf" or "mp"
+    layout: Layout
+    """the output's layout row (layouts/table.py): how its files and tensors are named and cut"""
     index: dict | None = None  # HF model.safetensors.index.json contents
     config: dict | None = None  # rewritten config.json
     copies: list[str] = field(default_factory=list)  # other files copied from SRC unchanged
     notes: list[str] = field(default_factory=list)  # what the stages decided (dropped MTP, ...)
+    extras: dict[str, bytes] = field(default_factory=dict)
+    """other files the layout writes beside the tensor files (DCP's `.metadata`), by name: published with the index"""
+
+    @property
+    def format(self) -> str:
+        """The output layout's name (`hf`, `mp`, `dcp`), as plans, reports and manifests say it."""
+        return self.layout.name
 
     @property
     def bytes_to_write(self) -> int:
@@ -103,6 +112,9 @@ class Plan:
             "config": self.config,
             "copies": self.copies,
             "notes": self.notes,
+            # only layouts that write extras have the key: other plans (and their hashes) read as before
+            **({"extras": {n: hashlib.sha256(b).hexdigest() for n, b in sorted(self.extras.items())}}
+               if self.extras else {}),
         }
 
     @property
