@@ -171,10 +171,11 @@ def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, hel
           processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
           revision: Revision = None, token: Token = None, overwrite: Overwrite = False, resume: Resume = False,
           dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
-    """HF checkpoint -> model{i}-mp{N}.safetensors shards (FP8 kept unless --dtype bf16).
+    """HF checkpoint (or mp shards of another N) -> model{i}-mp{N}.safetensors shards (FP8 kept unless --dtype bf16).
 
     The reference DeepSeek layout (or the family's own mp layout); FP8 weights stay FP8 with split
-    scales, like the reference convert.py, unless --dtype bf16.
+    scales, like the reference convert.py, unless --dtype bf16. Given ckpttool's mp shards, they are
+    re-cut for N ranks in one pass, the same bytes as merge then shard.
 
     Example: ckpttool shard ./DeepSeek-V3 ./DeepSeek-V3-mp8 --mp 8
     """
@@ -196,9 +197,14 @@ def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mt
     conversion reads it, verified, converted and deleted, so the disk holds the output and at most
     --max-input-files input files. Files already in the HF cache are read there, in place.
 
+    SRC may be ckpttool's mp shards: `convert MP_DIR DST --mp M` re-cuts them for M ranks in one
+    streaming pass, byte for byte what merge then shard writes (FP8 weights stay FP8: --dtype fp8).
+
     Example: ckpttool convert ./DeepSeek-V3 ./DeepSeek-V3-mp8-bf16 --mp 8 --dtype bf16 --verify
 
     Example: ckpttool convert deepseek-ai/DeepSeek-V3 ./v3-mp8 --mp 8 --max-input-files 2
+
+    Example: ckpttool convert ./v3-mp8 ./v3-mp4 --mp 4
     """
     if verify and mp is None:
         raise RecipeError("--verify loads model-parallel shards", fix="add --mp N")

@@ -164,7 +164,7 @@ class Checkpoint(ShardFiles):
 
     def info(self, fname: str, name: str) -> TensorInfo:
         src = self.tensors.get(name)
-        return src.info if src is not None and src.file == fname else super().info(fname, name)
+        return src.info if src is not None and src.file == fname and not src.pieces else super().info(fname, name)
 
     # -- reading -----------------------------------------------------------------------------------
     def source(self, name: str) -> SourceTensor:
@@ -181,6 +181,8 @@ class Checkpoint(ShardFiles):
     def read_array(self, name: str) -> np.ndarray:
         """`read` as a numpy array in the dtype's carrier (dtypes.CARRIERS): no torch."""
         src = self.source(name)
+        if src.pieces:  # stored in boxes (plan-time reads of small tensors: scales)
+            return self.read_pieces(src)
         return array_from_bytes(self.read_from(src.file, name), src.info.dtype, src.info.shape)
 
     @property

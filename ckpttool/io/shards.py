@@ -114,6 +114,16 @@ class ShardFiles:
         info = self.info(fname, name)
         return read_bytes(self.fd(fname), info.start, info.nbytes, self.root / fname)
 
+    def read_pieces(self, src: SourceTensor) -> np.ndarray:
+        """A tensor stored in boxes, assembled in memory as a numpy array in the dtype's carrier."""
+        dtype, shape = src.info.dtype, src.info.shape
+        out = array_from_bytes(np.empty(math.prod(shape) * itemsize(dtype), dtype=np.uint8), dtype, shape)
+        for p in src.pieces:
+            box = tuple(slice(o, o + k) for o, k in zip(p.offset, p.info.shape))
+            out[box] = array_from_bytes(read_bytes(self.fd(p.file), p.info.start, p.info.nbytes, self.root / p.file),
+                                        dtype, p.info.shape)
+        return out
+
     def read_rows(self, fname: str, info: TensorInfo, r0: int, r1: int, into: np.ndarray | None = None, *,
                   mapped: bool = False) -> np.ndarray:
         """Rows [r0, r1) of dim 0 (the whole tensor for a scalar) as a numpy array in the dtype's

@@ -13,16 +13,15 @@ from pathlib import Path
 from ckpttool.errors import InputError
 from ckpttool.families.base import HeadSplit
 from ckpttool.families.keymap import EXPERT, RANK0
-from ckpttool.io.checkpoint import ShardFiles, read_config
+from ckpttool.families.table import family_for
+from ckpttool.io.checkpoint import Checkpoint, Piece, ShardFiles, SourceTensor, read_config
 from ckpttool.io.layout import INDEX_NAME, MP_FILE, find_mp, mp_file
-from ckpttool.io.safetensors import SafetensorsFile
+from ckpttool.io.listed import Listed
+from ckpttool.io.safetensors import SafetensorsFile, TensorInfo
 from ckpttool.kernels.fp8 import scale_shape
 from ckpttool.layouts.row import Layout, no_extras
 from ckpttool.plan.shard import shard
 from ckpttool.plan.types import TensorPlan, layout
-
-MERGE_FIRST = "merge it back first: ckpttool merge {src} HF_DIR, then convert HF_DIR"
-
 
 def rank_files(directory: Path, mp: int | None = None) -> list[str]:
     """Each rank's file, in rank order: all N present, no rank beyond them."""
@@ -131,11 +130,8 @@ def _holds(path: Path) -> bool:
     return not (path / INDEX_NAME).exists() and any(MP_FILE.fullmatch(p.name) for p in path.iterdir())
 
 
-def _open(path: Path, config=None):
-    names = sorted(p.name for p in path.glob("*.safetensors"))
-    raise InputError(f"this is ckpttool's model-parallel output ({', '.join(names[:2])}, ...), not an HF "
-                     f"checkpoint", file=path, fix=MERGE_FIRST.format(src=path) +
-                     f" (it loads as it is with ckpttool verify {path})")
+def _open(path: Path, config=None) -> "MpCheckpoint":
+    return MpCheckpoint(path, config)
 
 
 def _listing(path: Path) -> tuple:
@@ -152,3 +148,50 @@ MP = Layout(
     place=_place, lay_out=_lay_out, index=lambda files, family: None, extras=no_extras, quantize=("fp8_block",),
     holds=_holds, open=_open, listing=_listing,
 )
+
+
+class MpCheckpoint(Checkpoint):
+    """Model-parallel shards read as the HF checkpoint they were cut from: each HF tensor (the family's table read
+    backwards, as merge reads it) is one rank's tensor where one holds it whole (replicated, an expert, mp 1), else
+    the pieces of its ranks along the split dim (`SourceTensor.pieces`), which a plan gathers per output tensor
+    (plan/assemble.py). Every file read is held to the manifest beside the shards, as merge holds them."""
+
+    layout = MP
+
+    def __init__(self, root: Path | str, config: Path | None = None):
+        root = Path(root)
+        names = rank_files(root)
+        listed = Listed(root, names + ["config.json"])
+        if listed.manifest is not None:
+            listed.check(["config.json"] + [n for n in self.top_level_names(root) if n in listed.manifest["files"]])
+        ShardFiles.__init__(self, root, names, before_read=lambda: listed.check(names),
+                            notes=[f"read {len(names)} mp ranks as one checkpoint", listed.note])
+        config_path = config or root / "config.json"
+        self.config = read_config(config_path, missing_fix="copy the config.json that shard wrote beside the shards")
+        family = family_for(self.config, config_path)
+        cfg = family.parse_config(self.config, config_path)
+        headers = list(self.files.values())
+        if family.spelled is not None:
+            cfg = family.spelled(cfg, [name for header in headers for name in header.tensors])
+        expected = family.expected_for(cfg, True, n_tensors=sum(len(h.tensors) for h in headers), source=config_path)
+        self.tensors = {t.name: _source(t, self.files) for t in merged_tensors(headers, family, cfg, expected)}
+
+    _add_file = ShardFiles._add_file  # rank files repeat tensor names
+
+    @staticmethod
+    def top_level_names(root: Path) -> list[str]:
+        return [p.name for p in sorted(root.iterdir()) if p.is_file()]
+
+
+def _source(t: TensorPlan, files: dict[str, SafetensorsFile]) -> SourceTensor:
+    """One rank's tensor where it holds it whole; else the ranks' pieces along `concat_dim`."""
+    infos = [files[f].tensors[n] for f, n in t.parts]
+    if len(infos) == 1:
+        return SourceTensor(t.parts[0][0], infos[0])
+    pieces, at = [], 0
+    for (f, n), info in zip(t.parts, infos):
+        offset = [0] * len(t.shape)
+        offset[t.concat_dim] = at
+        pieces.append(Piece(f, n, tuple(offset), info))
+        at += info.shape[t.concat_dim]
+    return SourceTensor(t.parts[0][0], TensorInfo(t.name, t.dtype, t.shape, 0, t.nbytes), tuple(pieces))

@@ -16,6 +16,7 @@ from ckpttool.layouts.hf import HF
 from ckpttool.layouts.table import of_directory, output_layout
 from ckpttool.plan import dequant as dequant_stage
 from ckpttool.plan import quantize as quantize_stage
+from ckpttool.plan.assemble import assemble
 from ckpttool.plan.rewrite import files_to_copy, floating_dtype, rewrite_config
 from ckpttool.plan.types import Plan, TensorPlan
 
@@ -71,7 +72,8 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     _check_against_config(tensors, family, cfg, ckpt, rules, planned)
     if not spec.dequant:
         dequant_stage.refuse_kept(tensors, rules, config_path)
-    notes = [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
+    notes = [*getattr(ckpt, "notes", ())]  # how the input was read (mp ranks, a DCP's left-out state)
+    notes += [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
     out = output_layout(spec.layout, spec.mp)
     if passed := sum(family.keys(cfg).passes_through(t.name) for t in tensors):
         notes.append(f"{passed} tensors outside the text model (a vision tower, a projector) passed through "
@@ -103,6 +105,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     input_order = sorted(ckpt.files)
     files_of = {t.name: str(ckpt.root / t.file) for t in tensors}
     tensors = out.place(tensors, family, cfg, spec.mp, files_of, input_order if of_input(ckpt) is HF else None)
+    tensors = assemble(tensors, ckpt)  # an input stored in boxes (mp ranks, DCP chunks): gathered per tensor
     files = out.lay_out(tensors, input_order)
 
     config = rewrite_config(ckpt.config, dequantized=spec.dequant, dtype=floating_dtype(tensors),

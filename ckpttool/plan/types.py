@@ -40,6 +40,9 @@ class TensorPlan:
     parts: tuple[tuple[str, str], ...] = ()
     """merge: (input file, tensor) pieces, concatenated along `concat_dim`, that make this tensor"""
     concat_dim: int = 0
+    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
+    """instead of `concat_dim`, for a tensor assembled from boxes (mp ranks, DCP chunks: plan/assemble.py): for each
+    part, where its box starts in that stored tensor, the box's size, and where the box lands in this tensor"""
 
     @property
     def nbytes(self) -> int:
@@ -128,6 +131,8 @@ def _tensor_json(t: TensorPlan) -> dict:
     body = asdict(t)
     if not t.parts:  # only merge plans have parts: other plans (and their hashes) read as before
         del body["parts"], body["concat_dim"]
+    if not t.boxes:  # only plans from inputs stored in boxes have them
+        del body["boxes"]
     return body
 
 
