@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -34,6 +35,68 @@ FORMATS = ("fp8_block", "ct_int4_g32", "ct_fp8_channel", "ct_nvfp4", "modelopt_n
 PACKED = ("gptq:b4:g128:gptq", "gptq:b4:g32:gptq", "gptq:b4:g128:gptq:desc_act", "gptq:b8:g128:gptq_v2",
           "awq_gemm:g128", "awq_gemm:g32", "awq_gemv:g128")
 """GPTQ and AWQ (formats/gptq.py, awq.py): several side tensors, so their chunks are made by packed_chunk"""
+VARIANTS = {  # label: (row, scale dtype) of issue 35's compressed-tensors and ModelOpt rows
+    "ct_int:pack:4:group128:asym": ("ct_int:pack:4:group128:asym", "BF16"),  # W4A16_ASYM
+    "ct_int:pack:4:group32:asym": ("ct_int:pack:4:group32:asym", "BF16"),
+    "ct_int:pack:8:group128:sym": ("ct_int:pack:8:group128:sym", "BF16"),  # W8A16
+    "ct_int:pack:8:group128:asym": ("ct_int:pack:8:group128:asym", "BF16"),
+    "ct_int:int:8:channel:sym": ("ct_int:int:8:channel:sym", "BF16"),  # INT8 W8A8
+    "ct_int:int:8:channel:asym": ("ct_int:int:8:channel:asym", "BF16"),
+    "ct_int:pack:4:group128:sym:gidx": ("ct_int:pack:4:group128:sym:gidx", "BF16"),  # act-order group
+    "ct_int:pack:8:group128:sym:gidx": ("ct_int:pack:8:group128:sym:gidx", "BF16"),
+    "ct_int4_g128 (F16 scales)": ("ct_int4_g128", "F16"),
+    "ct_fp8_channel (F16 scales)": ("ct_fp8_channel", "F16"),
+    "ct_fp8_block:128x128": ("ct_fp8_block:128x128", "BF16"),
+    "ct_fp8_block:128x128 (F16 scales)": ("ct_fp8_block:128x128", "F16"),
+    "ct_fp8_group:128": ("ct_fp8_group:128", "BF16"),
+    "ct_mxfp4": ("ct_mxfp4", "U8"),
+    "modelopt_fp8_tensor": ("modelopt_fp8_tensor", "F32"),
+    "modelopt_fp8_channel": ("modelopt_fp8_channel", "F32"),
+    "mxfp4 (gpt-oss experts, transposed)": ("mxfp4", "U8"),  # one gpt-oss gate_up expert: [1, 5760, 90, 16]
+}
+_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def variant_inputs(label: str, rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, str, dict, dict]:
+    """(values, their dtype code, sides by role, side dtypes) of a [rows, cols] weight in one of VARIANTS: random
+    codes, scales of one weight's spread (a few thousand distinct BF16 values), random zero points."""
+    row_name, sdt = VARIANTS[label]
+    row = BY_NAME[row_name]
+
+    def u8(*shape):
+        x = torch.randint(0, 256, shape, dtype=torch.int32, generator=gen).to(torch.uint8)
+        x[(x & 0x7F) == 0x7F] ^= 1  # no NaN codes (FP8 values)
+        return x
+
+    def scale(*shape):
+        return (torch.rand(shape, generator=gen) * 1e-2 + 1e-4).to(_TORCH[sdt])
+
+    if row_name == "mxfp4":  # its own shape (gpt-oss' gate_up_proj, [1, 2880, 5760] out): per output byte all the same
+        exponents = torch.randint(107, 122, (1, 5760, 90), generator=gen, dtype=torch.uint8)
+        return u8(1, 5760, 90, 16), "U8", {"scale": exponents}, {"scale": "U8"}
+    if row_name == "ct_mxfp4":
+        return (u8(rows, cols // 2), "U8", {"scale": torch.randint(107, 122, (rows, cols // 32), generator=gen,
+                                                                     dtype=torch.uint8)}, {"scale": "U8"})
+    if "fp8" in row_name:
+        shape = {"ct_fp8_channel": (rows, 1), "ct_fp8_block:128x128": (rows // 128, cols // 128),
+                 "ct_fp8_group:128": (rows, cols // 128), "modelopt_fp8_tensor": (), "modelopt_fp8_channel": (rows,)}
+        return u8(rows, cols).view(torch.float8_e4m3fn), "F8_E4M3", {"scale": scale(*shape[row_name])}, {"scale": sdt}
+    storage, bits = ("pack", 4) if row_name.startswith("ct_int4") else row_name.split(":")[1:3]
+    bits, group = int(bits), 128 if "128" in row_name else 32
+    groups = cols // group if "group" in row_name or row_name.startswith("ct_int4") else 1
+    values = u8(rows, cols * bits // 8)
+    values, dtype = (values.view(torch.int32), "I32") if storage == "pack" else (values.view(torch.int8), "I8")
+    sides, dtypes = {"scale": scale(rows, groups)}, {"scale": sdt}
+    if row_name.endswith(":asym"):
+        sides["zero"] = u8(rows * bits // 32, groups * 4).view(torch.int32) if storage == "pack" else \
+            u8(rows, groups).view(torch.int8)
+        dtypes["zero"] = "I32" if storage == "pack" else "I8"
+    if row_name.endswith(":gidx"):  # GPTQ act-order: column j's rank in a random order, divided by the group size
+        rank = torch.empty(cols, dtype=torch.int32)
+        rank[torch.randperm(cols, generator=gen)] = torch.arange(cols, dtype=torch.int32)
+        sides["g_idx"], dtypes["g_idx"] = rank // group, "I32"
+    assert all(side.role in sides for side in row.read_sides), label
+    return values, dtype, sides, dtypes
 
 
 def inputs(name: str, rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, str]:
@@ -137,6 +200,7 @@ def main() -> int:
     p.add_argument("--cols", type=int, default=2048)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--no-cuda", action="store_true")
+    p.add_argument("--no-variants", action="store_true", help="only issue 16's formats and the FP8 family")
     p.add_argument("--seeds", help="directory holding DeepSeek's kernel.py: its weight_dequant joins the CUDA rounds "
                                    "on fp8_block's input (issue 17's reference)")
     args = p.parse_args()
@@ -147,25 +211,33 @@ def main() -> int:
     kw = {n: (2688.0 / 3.1 if n.startswith("ct") else 3.1 / 2688.0) for n in FORMATS}
     result: dict = {"shape": [rows, cols], "out_dtype": "BF16", "torch": torch.__version__, "cpu": {}, "cuda": None}
 
-    times: dict[str, list[float]] = {n: [] for n in (*FORMATS, *PACKED)}
+    variants = {v: variant_inputs(v, rows, cols, gen) for v in VARIANTS} if not args.no_variants else {}
+    chunks = {n: chunk(n, carrier(data[n][0]), carrier(data[n][1]), data[n][2], kw[n]) for n in FORMATS}
+    chunks |= {n: packed[n][0] for n in PACKED}  # made before any clock starts, as each variant's below
+    calls = {n: (lambda n=n, c=c: BY_NAME[n].cpu(c, "BF16", None)) for n, c in chunks.items()}
+    for v, (x, dtype, sides, dtypes) in variants.items():
+        c = Chunk(carrier(x), dtype,
+                  {r: t.numpy() if t.dtype in (torch.int32, torch.int8) else carrier(t) for r, t in sides.items()},
+                  dtypes)
+        calls[v] = (lambda v=v, c=c: BY_NAME[VARIANTS[v][0]].cpu(c, "BF16", None))
+    out_bytes = {v: math.prod(BY_NAME[VARIANTS[v][0]].out_shape(tuple(x.shape))) * 2 for v, (x, *_) in variants.items()}
+    times: dict[str, list[float]] = {n: [] for n in calls}
     for rep in range(args.reps + 1):
-        for n in (*FORMATS, *PACKED):
-            if n in packed:
-                c = packed[n][0]
-            else:
-                x, s, dtype = data[n]
-                c = chunk(n, carrier(x), carrier(s), dtype, kw[n])
+        for n, call in calls.items():  # interleaved: the machine's load hits every format alike
             t0 = time.perf_counter()
-            BY_NAME[n].cpu(c, "BF16", None)
+            call()
             if rep:  # the first round warms tables and caches
                 times[n].append(time.perf_counter() - t0)
-    for n in (*FORMATS, *PACKED):
-        nbytes = packed[n][1] if n in packed else moved(*data[n][:2], rows, cols)
+    for n in calls:
+        nbytes = packed[n][1] if n in packed else moved(*data[n][:2], rows, cols) if n in data else \
+            sum(t.numel() * t.element_size() for t in (variants[n][0], *variants[n][2].values())) + out_bytes[n]
         sec = statistics.median(times[n])
+        out = out_bytes.get(n, rows * cols * 2)
         result["cpu"][n] = {"seconds": round(sec, 4), "gb_moved_per_s_per_core": round(nbytes / sec / 1e9, 3),
-                            "gb_out_per_s_per_core": round(rows * cols * 2 / sec / 1e9, 3), "bytes_moved": nbytes}
-    for row in result["cpu"].values():  # same run, same shape: the ratio per output byte
-        row["vs_fp8_block"] = round(result["cpu"]["fp8_block"]["seconds"] / row["seconds"], 3)
+                            "gb_out_per_s_per_core": round(out / sec / 1e9, 3), "bytes_moved": nbytes,
+                            # per round, FP8 block's time per output byte over this one's: their median
+                            "vs_fp8_block": round(statistics.median(b / t * out / (rows * cols * 2) for b, t in
+                                                                    zip(times["fp8_block"], times[n])), 3)}
 
     if not args.no_cuda and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

@@ -14,7 +14,7 @@ from pathlib import Path
 from ckpttool.errors import InputError
 from ckpttool.formats import (CKPTTOOL_QUANTIZATION, FP8_SCALE, HF_QUANT_CONFIG, INT4_SCALES_AND_ZEROS, INT8_SCALES,
                               MXFP4, declared_rules)
-from ckpttool.io.checkpoint import read_json_object
+from ckpttool.io.checkpoint import read_config, read_json_object
 from ckpttool.io.safetensors import read_header
 from ckpttool.formats.resolve import members_of
 from ckpttool.layouts.table import of_directory
@@ -41,6 +41,18 @@ def _entries(path: Path):
 
 def _count_leaf(names: set[str], leaf: str) -> int:
     return sum(n.endswith("." + leaf) for n in names)
+
+
+def _ours(path: Path, row, config: dict) -> str | None:
+    """The format of ckpttool's own gpt-fast int8/int4 output (config.json `ckpttool_quantization`, beside a file
+    too), or None: other libraries' `scales` (GPTQ, AWQ) are not ckpttool's int8, whatever their leaf names."""
+    if row is None and (path.parent / "config.json").is_file():
+        try:
+            config = read_config(path.parent / "config.json")
+        except InputError:
+            return None
+    ours = config.get(CKPTTOOL_QUANTIZATION)
+    return ours.get("format") if isinstance(ours, dict) else None
 
 
 def _formats(path: Path, row, entries: list[Entry], config: dict) -> tuple[dict[str, int], str | None, set[str]]:
@@ -82,6 +94,7 @@ def describe(path: Path) -> dict:
     fp8 = _count_leaf(names, FP8_SCALE.native_leaf if native else FP8_SCALE.hf_leaf)
     formats, refused, members = _formats(path, row, entries, config)
     per_rank = row is not None and row.per_rank
+    ours = _ours(path, row, config)
     return {
         "path": str(path),
         "layout": "file" if row is None else row.name,
@@ -99,8 +112,9 @@ def describe(path: Path) -> dict:
             "unsupported": refused,
             "fp8_block_weights": fp8,
             "mxfp4_blocks": sum(MXFP4.values.base_of(n) is not None for n in names),
-            "int8_weights": _count_leaf(names - members, INT8_SCALES),  # not GPTQ's or AWQ's `scales`
-            "int4_weights": _count_leaf(names, INT4_SCALES_AND_ZEROS),
+            # ckpttool's own gpt-fast outputs only: never GPTQ's or AWQ's `scales`
+            "int8_weights": _count_leaf(names - members, INT8_SCALES) if ours == "int8" else 0,
+            "int4_weights": _count_leaf(names - members, INT4_SCALES_AND_ZEROS) if ours == "int4" else 0,
         },
         "groups": [{"pattern": p, "count": g["count"], "dtypes": sorted(g["dtypes"]),
                     "shapes": [list(s) for s in sorted(g["shapes"])], "bytes": g["bytes"]}

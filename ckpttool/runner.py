@@ -24,6 +24,7 @@ from ckpttool.execute.osutil import in_memory_fs
 from ckpttool.execute.staging import Staging
 from ckpttool.execute.tasks import make_tasks
 from ckpttool.io.layout import PARTIAL_DIR, STREAM_FETCH, STREAM_INPUT, check_output_names
+from ckpttool.io.safetensors import gguf_error, is_gguf
 from ckpttool.plan.build import Spec
 from ckpttool.plan.merge import MergeSpec
 from ckpttool.plan.types import Plan
@@ -202,6 +203,8 @@ def resolve_input(recipe: Recipe, src: str | Path | None, *, quiet: bool, stream
     if local.is_dir():
         return local
     if local.exists():
+        if is_gguf(local):
+            raise gguf_error(local)
         raise InputError("input is not a directory", file=local,
                          fix="pass the checkpoint directory (the one holding config.json and *.safetensors)")
     dl = recipe.stage("download")

@@ -34,6 +34,11 @@ ENGINE_CHANGES = {
     "olmoe": {"clip_qkv": None},  # vLLM's OLMoE ignores clip_qkv (OLMoE-1B-7B has none)
     "glm4_moe": {"head_dim": 32},
     "minimax_m2": {"head_dim": 32, "rotary_dim": 16},
+    # vLLM's ERNIE builds its shared experts and head without biases (use_bias reaches q/k/v and the dense MLP
+    # only); llama.cpp's converter sizes the shared experts as intermediate_size // num_key_value_heads and its
+    # model makes every layer after the leading dense ones MoE (moe_layer_end_index unread): each holds for
+    # ERNIE-4.5's published configs (use_bias false; 12288 // 4 = 1536 x 2; MoE up to the last layer)
+    "ernie4_5_moe": {"use_bias": False, "intermediate_size": 64, "moe_layer_end_index": 2},
 }
 MOE = {t: {**spec, **ENGINE_CHANGES.get(t, {})} for t, spec in MOE_TINY.items()}
 

@@ -140,7 +140,7 @@ PROVEN: tuple[Proven, ...] = (
            "`routed_scaling_factor`, partial rotary, qkv biases; MTP dropped by default, `--keep-mtp` output "
            "verifies (MTP skipped, said so)",
            ("test_moe.py::test_shard_then_verify_gives_transformers_greedy_tokens",
-            "test_moe.py::test_glm_mtp_layer_is_dropped_by_default_and_kept_shards_verify")),
+            "test_moe.py::test_mtp_layer_is_dropped_by_default_and_kept_shards_verify")),
     Proven("DeepSeek-V4 (`deepseek_v4`), BF16, in DeepSeek's names or transformers 5.24's save_pretrained's; and "
            "as published: FP8 with E8M0 `.scale` per 128x128 block (V4.1: 32x32) beside MXFP4 routed experts "
            "(`expert_dtype: fp4`)", ("deepseek_v4",),
@@ -196,4 +196,45 @@ PROVEN: tuple[Proven, ...] = (
            ("test_mimo.py::test_shard_then_verify_gives_transformers_greedy_tokens",
             "test_mimo.py::test_shard_mp4_replicates_kv_heads_per_layer_kind_and_merges_back_byte_identical",
             "test_mimo.py::test_transformers_own_form_reads_as_the_published_one")),
+    Proven("Qwen3-Next (`qwen3_next`), BF16", ("qwen3_next",), "yes", "1, 2, 4 (8 refused: heads)",
+           "byte for byte (MTP layer too)", "mp 1, 2 (as transformers' Qwen3NextForCausalLM)",
+           "Gated DeltaNet layers beside gated full attention: projections, conv and recurrent state cut on whole "
+           "key-head groups (the conv's q, k and v channels as three tensors per rank), zero-centred norms, partial "
+           "rotary, a dense `mlp_only_layers` layer, attention biases, layer types from `full_attention_interval`; "
+           "MTP (`mtp.*`) dropped by default, `--keep-mtp` output verifies (MTP skipped, said so). The bundled model "
+           "refuses quantized shards (verify a `--dtype bf16` output)",
+           ("test_gated_deltanet.py::test_shard_then_verify_gives_transformers_greedy_tokens",
+            "test_gated_deltanet.py::test_shard_mp4_then_merge_is_byte_identical_per_tensor",
+            "test_gated_deltanet.py::test_linear_attention_is_cut_on_whole_key_heads",
+            "test_gated_deltanet.py::test_mtp_layer_is_dropped_by_default_kept_on_request_verified_and_merged",
+            "test_gated_deltanet.py::test_mp_that_cuts_a_head_group_is_refused")),
+    Proven("Qwen3.5/3.6 MoE's text model (`qwen3_5_moe_text`), BF16", ("qwen3_5_moe_text",), "yes",
+           "1, 2, 4 (8 refused: heads)", "byte for byte", "mp 1, 2 (as transformers' Qwen3_5MoeForCausalLM)",
+           "Qwen3-Next's layers with `in_proj_qkv` / `in_proj_z` / `in_proj_b` / `in_proj_a` (`in_proj_qkv` and the "
+           "conv held as q, k, v segments per rank), every layer MoE, tied embeddings; stacked experts read as per "
+           "expert",
+           ("test_gated_deltanet.py::test_shard_then_verify_gives_transformers_greedy_tokens",
+            "test_gated_deltanet.py::test_shard_mp4_then_merge_is_byte_identical_per_tensor",
+            "test_gated_deltanet.py::test_stacked_experts_shard_as_the_per_expert_checkpoint")),
+    Proven("Qwen3.5/3.6 MoE (`qwen3_5_moe`): its text model, vision tower passed through", ("qwen3_5_moe",),
+           "yes; vision tower unchanged", "1, 2, 4 (vision tower whole on rank 0)",
+           "byte for byte (the whole file, MTP layer and vision tower too)",
+           "mp 2 (as transformers' Qwen3_5MoeForCausalLM, its AutoModelForCausalLM)",
+           "text tower as `model.language_model.*` (the hub's and save_pretrained's), `model.visual.*` passed "
+           "through, MTP at the top (`mtp.*`: `text_config.mtp_num_hidden_layers` zeroed when dropped); positions "
+           "of a text prompt are the same on every mrope axis, so verify runs plain partial rotary",
+           ("test_gated_deltanet.py::test_multimodal_wrapper_text_tower_verifies_and_the_rest_passes_through",
+            "test_gated_deltanet.py::test_multimodal_wrapper_merges_back_byte_for_byte_mtp_and_vision_tower_included")),
+    Proven("Kimi-Linear (`kimi_linear`), BF16, in the published spelling and transformers' save_pretrained's",
+           ("kimi_linear",), "yes", "1, 2, 4 (8 refused: heads)", "byte for byte, each spelling",
+           "mp 1, 2 (as transformers' KimiLinearForCausalLM)",
+           "KDA (a decay per key channel, low-rank forget and output gates) beside MLA without rotary, both cut on "
+           "whole heads; sigmoid routing with correction bias over expert groups, a dense first layer; fields under "
+           "Moonshot's names or transformers' aliases, layer lists from `linear_attn_config`. Refused by name: a query "
+           "LoRA, attention biases, and Moonshot's fields transformers' model does not build (`mla_use_output_gate`, "
+           "`use_full_rank_gate`, `moe_layer_freq` other than 1, ...: Kimi-K3's text model)",
+           ("test_kimi_linear.py::test_shard_then_verify_gives_transformers_greedy_tokens",
+            "test_kimi_linear.py::test_shard_mp4_then_merge_is_byte_identical_in_its_own_spelling",
+            "test_kimi_linear.py::test_fields_are_read_as_kimi_linear_config_reads_them",
+            "test_kimi_linear.py::test_what_transformers_does_not_build_is_refused_by_name")),
 )

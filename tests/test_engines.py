@@ -7,7 +7,8 @@ subprocess of the engines venv (tests/engines/*_generate.py), since starting an 
 after a job fails the rest run in a fresh process, so that the order of the jobs decides no result. A case
 an engine cannot run here is skipped only when the engine's own error is the known limitation (KNOWN_LIMITS);
 ids that differ are accepted only where the cause is known and shown: the engine's ids then equal
-transformers' on the config the engine actually reads (KNOWN_DIFFERENCES). The run writes its report to
+transformers' on what the engine actually runs: a copy with the config it reads, or without the weights it
+ignores (KNOWN_DIFFERENCES). The run writes its report to
 build/engines-report.json (untracked); `python scripts/engines_table.py --from build/engines-report.json
 --write` makes it the committed record (tests/engines/report.json) and renders the README's Engines tables.
 """
@@ -64,20 +65,37 @@ FALLBACK_DTYPE = {"llama": "bfloat16"}  # the FP8 output: what vLLM does in the 
 FALLBACK = " (fallback dtype)"
 
 
-def _yarn_truncated(config: dict) -> dict:
-    """The config with YaRN's correction range truncated (floor/ceil), which llama.cpp always does."""
+def _yarn_truncated(copy: Path) -> None:
+    """YaRN's correction range truncated (floor/ceil) in the copy's config, which llama.cpp always does."""
+    config = json.loads((copy / "config.json").read_text())
     for key in ("rope_scaling", "rope_parameters"):
         if isinstance(config.get(key), dict) and config[key].get("rope_type", config[key].get("type")) == "yarn":
             config[key] = {**config[key], "truncate": True}
-    return config
+    (copy / "config.json").write_text(json.dumps(config))
+
+
+def _no_correction_bias(copy: Path) -> None:
+    """The copy's router correction biases zeroed, in place: what vLLM's CPU router selects experts by."""
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(copy.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        zeroed = {n for n in tensors if n.endswith("e_score_correction_bias")}
+        if zeroed:
+            save_file({n: t.zero_() if n in zeroed else t for n, t in tensors.items()}, str(path),
+                      metadata={"format": "pt"})
 
 
 KNOWN_DIFFERENCES = {
-    # (engine, model_type): (the config the engine reads instead, what the engine gets wrong)
+    # (engine, model_type): (how to make, from the case's output, what the engine actually runs; what it gets wrong)
     ("llama.cpp", "gpt_oss"): (_yarn_truncated,
                                "llama.cpp's convert_hf_to_gguf.py drops gpt-oss's YaRN `truncate: false`, and "
                                "its rope always truncates the correction range: its ids are transformers' with "
                                "`truncate: true`"),
+    ("vllm", "ernie4_5_moe"): (_no_correction_bias,
+                               "vLLM 0.32's CPU router (cpu_router.py `_softmax_topk`) selects experts by the "
+                               "logits alone, ignoring `moe_statics.e_score_correction_bias` that ERNIE-4.5 adds "
+                               "to the softmax before its top-k: its ids are transformers' with that bias zeroed"),
 }
 
 
@@ -143,15 +161,14 @@ def engine_runs(tmp_path_factory) -> dict:
     _write_report(runs)
 
 
-def _oracle_ids(case, greedy_oracle, change_config=None) -> list[int]:
+def _oracle_ids(case, greedy_oracle, change=None) -> list[int]:
     """transformers' greedy ids on the case's weights; FP8 ones dequantized to float32 first (weight x its
-    block's scale, as the engines do), into a copy without quantization_config. `change_config`: on a copy
-    whose config.json it changed (what an engine reads instead)."""
-    if change_config is not None:
-        changed = case.out.parent / f"{case.out.name}-{change_config.__name__.strip('_')}"
+    block's scale, as the engines do), into a copy without quantization_config. `change`: on a copy it
+    changed in place (what an engine runs instead: the config it reads, or without the weights it ignores)."""
+    if change is not None:
+        changed = case.out.parent / f"{case.out.name}-{change.__name__.strip('_')}"
         shutil.copytree(case.out, changed)
-        config = json.loads((changed / "config.json").read_text())
-        (changed / "config.json").write_text(json.dumps(change_config(config)))
+        change(changed)
         return greedy_oracle(changed)[0]
     if not case.fp8:
         return greedy_oracle(case.out)[0]

@@ -138,19 +138,20 @@ def _scheme(**weights):
 
 
 UNKNOWN = {
-    "another quant_method": ("ct_fp8_channel", lambda c: c["quantization_config"].update(quant_method="eetq"),
-                             "quant_method 'eetq' is not a format ckpttool reads"),
+    "another quant_method": ("ct_fp8_channel", lambda c: c["quantization_config"].update(quant_method="qwerty"),
+                             "quant_method 'qwerty' is not a format ckpttool reads"),  # (EETQ & co: by name)
     "another compressed-tensors format": ("ct_int4", lambda c: c["quantization_config"].update(format="marlin-24"),
                                           "format 'marlin-24'"),
-    "naive int8": ("ct_fp8_channel", lambda c: (c["quantization_config"].update(format="int-quantized"),
-                                                _scheme(type="int")(c)), "format 'int-quantized'"),
-    "asymmetric int4": ("ct_int4", _scheme(symmetric=False), "asymmetric"),
-    "fp8 block strategy": ("ct_fp8_channel", _scheme(strategy="block", block_structure=[128, 128]),
-                           "block_structure"),
+    "3-bit packing": ("ct_int4", _scheme(num_bits=3), "3-bit int"),
+    "dynamic weights": ("ct_int4", _scheme(dynamic=True), "dynamic weights"),
+    "mxfp6": ("ct_nvfp4", lambda c: (c["quantization_config"].update(format="mxfp6-pack-quantized"),
+                                     _scheme(num_bits=6, strategy="group", group_size=32)(c)),
+              "format 'mxfp6-pack-quantized'"),
+    "int blocks": ("ct_int4", _scheme(strategy="block", block_structure=[32, 32], group_size=None), "strategy block"),
     "not yet compressed": ("ct_int4", lambda c: c["quantization_config"].update(quantization_status="frozen"),
                            "quantization_status 'frozen'"),
-    "modelopt fp8": ("modelopt_nvfp4", lambda c: c["quantization_config"].update(quant_algo="FP8"),
-                     "quant_algo 'FP8'"),
+    "modelopt int8 weights": ("modelopt_nvfp4", lambda c: c["quantization_config"].update(quant_algo="W8A16"),
+                              "quant_algo 'W8A16'"),
 }
 
 
@@ -159,8 +160,8 @@ UNKNOWN = {
 def test_unknown_formats_are_refused_by_name(case, command, made, tmp_path):
     kind, change, message = UNKNOWN[case]
     src = edit_config(made[kind], tmp_path / "src", change)
-    if kind.startswith("modelopt"):  # both ModelOpt files must say the same; here both say FP8
-        (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    if kind.startswith("modelopt"):  # both ModelOpt files must say the same; here both say W8A16
+        (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "W8A16"}}))
     proc = run_cli(command[0], src, tmp_path / "out", *command[1:], check=False)
     assert proc.returncode != 0 and message in proc.stderr and "fix:" in proc.stderr, proc.stderr
     assert "config.json" in proc.stderr and not (tmp_path / "out").exists()

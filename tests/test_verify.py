@@ -298,3 +298,23 @@ def test_gpu_fp8_shards_triton_dequant(hf, shards):
                         device="cuda", dtype="bfloat16")
     assert report.ok, report.render("gpu fp8")
     assert report.checks["weights"].ok  # Triton dequant on GPU == torch dequant on CPU, bit for bit
+
+
+def test_a_rank_that_died_before_its_log_is_named_not_a_missing_file(tmp_path):
+    """A rank process that exits before its body opens rank{r}.log (killed at spawn, say) is reported as that
+    rank's failure with its exit code, not as a FileNotFoundError about the log."""
+    import multiprocessing
+    import os
+
+    from ckpttool.errors import CkptError
+    from ckpttool.verify.run import _collect
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=os._exit, args=(code,)) for code in (0, 3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    (tmp_path / "rank0.log").write_text("rank 0 ran\n")
+    with pytest.raises(CkptError, match=r"verify rank 1 exited with code 3:\n    \(no log\)"):
+        _collect(tmp_path, procs)

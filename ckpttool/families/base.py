@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckpttool.errors import InputError, PlanError
-from ckpttool.families.keymap import EXPERT, KeyMap
+from ckpttool.families.keymap import EXPERT, KeyMap, Segment
 from ckpttool.formats import FP8_SCALE, with_leaf
 
 
@@ -193,16 +193,16 @@ class Family:
 def rank_slice(key_map: KeyMap, native: str, shapes: dict[str, tuple[int, ...]], cfg: Any, rank: int,
                world: int) -> tuple[str, tuple[int, int, int] | None]:
     """The HF tensor an mp parameter comes from, and the (dim, start, length) of it this rank holds
-    (None: all of it, i.e. replicated, a whole routed expert, or mp=1). `shapes` are the config's HF
-    weight shapes (expected_shapes)."""
+    (None: all of it, i.e. replicated, a whole routed expert, or mp=1 but for a `Segment`). `shapes` are
+    the config's HF weight shapes (expected_shapes)."""
     mapped = key_map.to_hf(native)
     if mapped is None:
         raise KeyError(f"no HF name for model parameter {native!r}")  # a model/table mismatch: a bug here
     split = mapped.split
-    if split is None or split == EXPERT or world == 1:
+    if split is None or split == EXPERT or (world == 1 and not isinstance(split, Segment)):
         return mapped.name, None
     shape = shapes[mapped.hf_weight or mapped.name]
-    if isinstance(split, HeadSplit):
+    if isinstance(split, (HeadSplit, Segment)):
         start, length = split.rank_ranges(shape, cfg, world)[rank]
         dim = split.dim
     else:

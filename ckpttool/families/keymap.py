@@ -5,7 +5,8 @@ components are replaced by `{}` and the result is the key, so 90k-tensor checkpo
 
 Two columns beyond the names:
 - `split`: an int dim cut evenly over ranks, a `HeadSplit`, `EXPERT` (whole tensors on the rank
-  owning the expert) or None (replicated).
+  owning the expert), a `Segment` (one of the consecutive parts an HF tensor holds, each cut on whole
+  heads: the only rows that share an HF template) or None (replicated).
 - `LINEAR`: the row is a linear projection weight: what published FP8 checkpoints quantize and what
   the quantize stage quantizes (never embeddings, norms, biases, routers or heads).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from ckpttool.errors import PlanError
 from ckpttool.formats import COMPANIONS, Companion, with_leaf
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
@@ -35,6 +37,33 @@ RANK0 = "rank 0"
 rank 0 only, under its HF name"""
 EXPERT = "expert"
 """split of a routed expert's tensors: whole, on the rank that owns the expert's contiguous range"""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Split of a native tensor that is one of the consecutive segments an HF tensor holds along `dim`
+    (Gated DeltaNet's conv1d and in_proj_qkv: every q channel, then every k, then every v, so a rank's
+    heads are three ranges, not one): segment `index` of the lengths the parsed config's `sizes` fields
+    give, cut over ranks by `heads` (a families.base.HeadSplit along the same dim). Even at mp=1 each
+    segment is a tensor of its own; merge concatenates them back in order."""
+
+    dim: int
+    sizes: tuple[str, ...]
+    index: int
+    heads: object  # families.base.HeadSplit
+
+    def rank_ranges(self, weight_shape: tuple[int, ...], cfg, mp: int, *, tensor: str | None = None,
+                    file=None) -> list[tuple[int, int]]:
+        """(start, length) along `dim` of the HF tensor: each rank's part of this segment."""
+        sizes = [getattr(cfg, s) for s in self.sizes]
+        if sum(sizes) != weight_shape[self.dim]:
+            raise PlanError(f"dim {self.dim} ({weight_shape[self.dim]}) is not the {' + '.join(self.sizes)} "
+                            f"({' + '.join(map(str, sizes))}) config.json implies", file=file, tensor=tensor,
+                            fix="check that config.json belongs to this checkpoint")
+        offset, size = sum(sizes[:self.index]), sizes[self.index]
+        shape = tuple(size if d == self.dim else n for d, n in enumerate(weight_shape))
+        return [(offset + start, length)
+                for start, length in self.heads.rank_ranges(shape, cfg, mp, tensor=tensor, file=file)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +121,21 @@ class KeyMap:
             if r.hf.endswith(".weight") and r.native.endswith(".weight"):
                 self.rows += [KeyRow(with_leaf(r.hf, c.hf_leaf), with_leaf(r.native, c.native_leaf), r.split,
                                      companion=c, weight=r) for c in companions]
-        self._by_hf = {_shape_key(r.hf): r for r in self.rows}
+        self._by_hf: dict[str, KeyRow] = {}
+        self._segments: dict[str, list[KeyRow]] = {}  # HF template -> its Segment rows, in index order
+        for r in self.rows:
+            if isinstance(r.split, Segment):
+                self._segments.setdefault(_shape_key(r.hf), []).append(r)
+            self._by_hf.setdefault(_shape_key(r.hf), r)
         self._by_native = {_shape_key(r.native): r for r in self.rows}
-        if len(self._by_hf) != len(self.rows) or len(self._by_native) != len(self.rows):
+        shared = sum(len(rows) - 1 for rows in self._segments.values())
+        if len(self._by_hf) != len(self.rows) - shared or len(self._by_native) != len(self.rows):
             raise ValueError("key table has two rows with the same template")
+        for key, rows in self._segments.items():
+            rows.sort(key=lambda r: r.split.index)
+            if [r.split.index for r in rows] != list(range(len(rows[0].split.sizes))) or \
+                    len({(r.split.dim, r.split.sizes) for r in rows}) != 1:
+                raise ValueError(f"segments of {rows[0].hf} are not each of its {rows[0].split.sizes} once")
         for r in self.rows:
             if set(_PLACEHOLDER.findall(r.hf)) != set(_PLACEHOLDER.findall(r.native)):
                 raise ValueError(f"row {r.hf} -> {r.native} changes placeholders")
@@ -109,7 +149,16 @@ class KeyMap:
             self._aliases[_shape_key(alias)] = (alias, hf)
 
     def to_native(self, hf_name: str) -> Mapped | None:
+        """The native tensor of an HF one (the first, for one held as segments: see `to_natives`)."""
         return self._passed(hf_name) or self._translate(hf_name, self._by_hf, forward=True)
+
+    def to_natives(self, hf_name: str) -> list[Mapped]:
+        """Every native tensor an HF tensor becomes: one, or one per `Segment`, in order."""
+        rows = self._segments.get(_shape_key(hf_name))
+        if rows is None:
+            mapped = self.to_native(hf_name)
+            return [] if mapped is None else [mapped]
+        return [self._translate(hf_name, {_shape_key(hf_name): r}, forward=True) for r in rows]
 
     def to_hf(self, native_name: str) -> Mapped | None:
         return self._passed(native_name) or self._translate(native_name, self._by_native, forward=False)

@@ -283,5 +283,11 @@ WRAPPERS: tuple[Wrapper, ...] = (
         tie_either=True,
         refused=(("model.language_model.", "transformers' own names (save_original_format=False) fuse each MLP's "
                                            "gate_up_proj and rename the indexer, which ckpttool does not read"),)),
+    Wrapper(
+        "qwen3_5_moe", "Qwen3.5 / 3.6 MoE", "gated_deltanet", text_types=("qwen3_5_moe_text",),
+        spellings=(Spelling("the hub's (and transformers 5.24's save_pretrained)",
+                            (("model.", "model.language_model."), ("lm_head.", "lm_head."), ("mtp.", "mtp.")),
+                            passthrough=("model.visual.",)),),
+        defaults={"tie_word_embeddings": False}),  # the wrapper's field ties the head (Qwen3_5MoeConfig)
 )
 """Every multimodal wrapper ckpttool reads; families/table.py pairs each with the family of its text tower."""

@@ -11,14 +11,17 @@ from ckpttool.families.base import Family
 from ckpttool.families.deepseek import FAMILY as DEEPSEEK
 from ckpttool.families.deepseek_v4 import FAMILY as DEEPSEEK_V4
 from ckpttool.families.dense import FAMILY as DENSE
+from ckpttool.families.gated_deltanet import FAMILY as GATED_DELTANET
 from ckpttool.families.gpt_oss import FAMILY as GPT_OSS
+from ckpttool.families.kimi_linear import FAMILY as KIMI_LINEAR
 from ckpttool.families.llama4 import FAMILY as LLAMA4
 from ckpttool.families.mimo import FAMILY as MIMO
 from ckpttool.families.minimax_m3 import FAMILY as MINIMAX_M3
 from ckpttool.families.moe import FAMILY as MOE
 from ckpttool.families.multimodal import WRAPPERS, wrapped
 
-TEXT_FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GPT_OSS, LLAMA4, MIMO, MOE, MINIMAX_M3)
+TEXT_FAMILIES: tuple[Family, ...] = (DEEPSEEK, DEEPSEEK_V4, DENSE, GATED_DELTANET, GPT_OSS, KIMI_LINEAR, LLAMA4, MIMO, MOE,
+                                     MINIMAX_M3)
 _BY_NAME = {f.name: f for f in TEXT_FAMILIES}
 
 FAMILIES: tuple[Family, ...] = (*TEXT_FAMILIES, *(wrapped(w, _BY_NAME[w.text_family]) for w in WRAPPERS))

@@ -9,11 +9,14 @@ module of the library that defines it) plus its kernel in kernels/, and a line i
 if a new quant_method names it.
 
   blocks.py      fp8_block (DeepSeek V3/R1), mxfp4 (gpt-oss experts)
-  compressed.py  compressed-tensors: pack-quantized INT4, float-quantized FP8 (channel, tensor), NVFP4
-  modelopt.py    NVIDIA ModelOpt NVFP4
+  compressed.py  compressed-tensors: pack-quantized INT4, float-quantized FP8 (channel, tensor, group, block),
+                 NVFP4, MXFP4; compressed_int.py its other integer rows (zero points, INT8, act-order);
+                 compressed_config.py which rows its quantization_config declares
+  modelopt.py    NVIDIA ModelOpt NVFP4, FP8 per tensor and per channel, MIXED_PRECISION of them
   gptq.py        GPTQ (gptqmodel, AutoGPTQ): 4/8-bit codes packed along the input dim, zero points, g_idx
   awq.py         AWQ (autoawq): GEMM and GEMV 4-bit layouts
   bnb.py         bitsandbytes 4-bit (NF4, FP4, double quant) and LLM.int8()
+  foreign.py     other libraries' quant_methods (HQQ, EETQ, torchao, Quark, ...), refused by name
 
 Each dequant transform works on a run of dim-0 rows of its source, so the executor can stream any
 tensor in bounded chunks: `row_align` is the smallest run it can take (an FP8 scale covers 128 rows),
@@ -28,7 +31,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable
 
 from ckpttool.errors import InputError
-from ckpttool.formats import awq, bnb, compressed, fp8, gptq, modelopt
+from ckpttool.formats import awq, bnb, compressed, compressed_config, foreign, fp8, gptq, modelopt
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
 from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
 from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
@@ -44,9 +47,18 @@ COMPANIONS: tuple[Companion, ...] = tuple(dict.fromkeys(f.companion for f in DEQ
 UNDECLARED = (Rule(FP8_BLOCK, "(no quantization_config)"), Rule(MXFP4, "(no quantization_config)"))
 """what a checkpoint without a quantization config may hold (as before configs named them)"""
 HF_QUANT_CONFIG = modelopt.HF_QUANT_CONFIG
-SUPPORTED_METHODS = (*fp8.METHODS, "mxfp4", compressed.METHOD, modelopt.METHOD, gptq.METHOD, awq.METHOD,
-                     bnb.METHOD)
-NAMED = (fp8.named, gptq.named, awq.named, bnb.named)
+DECLARED_BY: dict[str, Callable[[dict, object], tuple[Rule, ...]]] = {
+    **{method: fp8.declared for method in fp8.METHODS},
+    "mxfp4": lambda quant, path: (Rule(MXFP4, "quantization_config"),),
+    compressed_config.METHOD: compressed_config.declared,
+    gptq.METHOD: gptq.declared,
+    awq.METHOD: awq.declared,
+    bnb.METHOD: bnb.declared,
+}
+"""quantization_config's quant_method -> the rules it declares, read as that library reads its config: a row
+each (ModelOpt, which may also speak through hf_quant_config.json, is read before this table)"""
+SUPPORTED_METHODS = (*DECLARED_BY, modelopt.METHOD)
+NAMED = (fp8.named, compressed.named, gptq.named, awq.named, bnb.named)
 """the modules whose rows are made for a config's parameters: each rebuilds a row from the name a plan records"""
 
 
@@ -93,18 +105,10 @@ def declared_rules(quant: object, hf_quant: dict | None, config_path: object,
         return modelopt.declared(quant, hf_quant, config_path, hf_quant_path)
     if not quant:
         return UNDECLARED
-    if method in fp8.METHODS:
-        return fp8.declared(quant, config_path)
-    if method == "mxfp4":
-        return (Rule(MXFP4, "quantization_config"),)
-    if method == compressed.METHOD:
-        return compressed.declared(quant, config_path)
-    if method == gptq.METHOD:
-        return gptq.declared(quant, config_path)
-    if method == awq.METHOD:
-        return awq.declared(quant, config_path)
-    if method == bnb.METHOD:
-        return bnb.declared(quant, config_path)
+    if isinstance(method, str) and method in DECLARED_BY:
+        return DECLARED_BY[method](quant, config_path)
+    if isinstance(method, str) and method in foreign.FOREIGN:
+        raise foreign.refusal(method, config_path)
     raise InputError(f"quantization_config quant_method {method!r} is not a format ckpttool reads", file=config_path,
                      fix=f"ckpttool reads quant_method {', '.join(map(repr, SUPPORTED_METHODS))}; "
                          "dequantize this checkpoint with the library that wrote it")

@@ -77,7 +77,7 @@ def _check_mxfp4(b_shape, sides, names, file) -> None:
 
 
 def _mxfp4_cpu(c: Chunk, out: str, into: np.ndarray | None) -> np.ndarray:
-    return np.ascontiguousarray(mxfp4_cpu.dequant(c.values, c.scale, out).transpose(0, 2, 1))
+    return mxfp4_cpu.dequant_transposed(c.values, c.scale, out, into)[0]
 
 
 def _mxfp4_cuda(c: Chunk, out_dtype: torch.dtype) -> tuple[torch.Tensor, None]:
@@ -97,7 +97,7 @@ MXFP4 = QuantFormat(
     name="mxfp4", title="MXFP4 (gpt-oss)", values=Name("_blocks", leaf=False), value_dtypes=("U8",),
     sides=(Side("scale", Name("_scales", leaf=False), ("U8",), read=BY_ROWS, encoding="e8m0"),),
     check=_check_mxfp4, out_shape=lambda s: (s[0], s[2] * VALUES_PER_BLOCK, s[1]),
-    cpu=_mxfp4_cpu, cpu_compiled=False, cuda=_mxfp4_cuda, example=_mxfp4_example,
+    cpu=_mxfp4_cpu, cpu_into=True, cuda=_mxfp4_cuda, example=_mxfp4_example,
 )
 
 
@@ -139,11 +139,18 @@ def _experts_example(dev: torch.device) -> Chunk:
                  {"scale": torch.full((1, 1), 127, dtype=torch.uint8, device=dev)}, {"scale": "U8"})
 
 
+def mxfp4_rows(*, name: str, title: str, values: Name, value_dtypes: tuple[str, ...], leaf: str) -> QuantFormat:
+    """A row of MXFP4 stored by output rows: [N, K/2] bytes (two e2m1 codes, low nibble first) and E8M0 scales
+    `X.<leaf>` [N, K/32] (DeepSeek-V4's experts; compressed-tensors' mxfp4-pack-quantized)."""
+    return QuantFormat(
+        name=name, title=title, values=values, value_dtypes=value_dtypes,
+        sides=(Side("scale", Name(leaf), ("F8_E8M0", "U8"), BY_ROWS, encoding="e8m0"),),
+        check=_check_experts, out_shape=lambda s: (s[0], s[1] * 2), cpu=_experts_cpu, cuda=_experts_cuda,
+        example=_experts_example, keepable=False)
+
+
 @functools.lru_cache(maxsize=None)
 def mxfp4_experts_row(leaf: str) -> QuantFormat:
     """DeepSeek-V4's MXFP4 routed experts, their E8M0 scales named `X.<leaf>`."""
-    return QuantFormat(
-        name=f"mxfp4_experts:{leaf}", title="MXFP4 experts (DeepSeek-V4)", values=Name("weight"),
-        value_dtypes=("I8",), sides=(Side("scale", Name(leaf), ("F8_E8M0", "U8"), BY_ROWS, encoding="e8m0"),),
-        check=_check_experts, out_shape=lambda s: (s[0], s[1] * 2), cpu=_experts_cpu, cuda=_experts_cuda,
-        example=_experts_example, keepable=False)
+    return mxfp4_rows(name=f"mxfp4_experts:{leaf}", title="MXFP4 experts (DeepSeek-V4)", values=Name("weight"),
+                      value_dtypes=("I8",), leaf=leaf)

@@ -176,14 +176,16 @@ def _check_side(name: str, dtype: str, header: Header, rules: tuple[Rule, ...], 
         row = rule.row
         for side in row.sides:
             base = side.name.base_of(name)
-            if base is None or side.optional or dtype not in side.dtypes:
+            if base is None or side.optional:
                 continue
             values = row.values.of(base)
-            # values stored in another quantized dtype are the cause; a float `X.weight` is simply unquantized
+            # values stored in another quantized dtype are the cause (whatever this side's dtype: NVFP4 tensors under
+            # an FP8 config); a float `X.weight` is simply unquantized
             if values in header and header[values][0] not in (*row.value_dtypes, *_PLAIN):
                 raise InputError(f"{values!r} is {header[values][0]}, but {row.title} ({rule.origin}) stores its "
                                  f"values as {' or '.join(row.value_dtypes)}", file=file, tensor=values,
                                  fix="config.json's quantization_config does not describe how this tensor is stored: "
                                      "fix it (or re-download the checkpoint)")
-            raise InputError(f"{side.role} has no quantized weight beside it", file=file, tensor=name,
-                             fix="the checkpoint is incomplete; re-download it")
+            if dtype in side.dtypes:
+                raise InputError(f"{side.role} has no quantized weight beside it", file=file, tensor=name,
+                                 fix="the checkpoint is incomplete; re-download it")

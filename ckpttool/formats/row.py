@@ -163,8 +163,8 @@ class QuantFormat:
     check_global: Callable[[float], str | None] = lambda g: None
     """what is wrong with a "global" side's value (None: nothing)"""
     cpu_compiled: bool = True
-    """`cpu` runs compiled loops where they are built (kernels/native, numba); False: numpy's only (MXFP4),
-    counted as `chunks_by_cpu_loops_numpy_only` in a run's timing"""
+    """`cpu` runs compiled loops where they are built (kernels/native, numba); False: numpy's only, counted as
+    `chunks_by_cpu_loops_numpy_only` in a run's timing (every row has compiled loops now)"""
     keepable: bool = True
     """whether a plan may keep the format (shard without dequant): False where ckpttool cannot split it"""
     at_plan: Callable[[tuple, dict[str, tuple], dict[str, np.ndarray], dict[str, str], object], QuantFormat] | None \

@@ -27,6 +27,7 @@ from ckpttool.io.safetensors import (
     check_tensor_name,
     loads_strict_json,
     printable,
+    refuse_gguf_dir,
     tensor_from_bytes,
 )
 from ckpttool.io.shards import MAX_TENSORS, Piece, ShardFiles, SourceTensor  # noqa: F401 - their home before io/shards.py
@@ -103,6 +104,7 @@ class Checkpoint(ShardFiles):
     def _load_glob(self) -> None:
         names = sorted(p.name for p in self.root.glob("*.safetensors"))
         if not names:
+            refuse_gguf_dir(self.root)
             raise InputError("no *.safetensors files and no index", file=self.root,
                              fix="point at the directory that holds the model's safetensors shards")
         if all(MP_FILE.fullmatch(n) for n in names):  # ranks of one model, whose names repeat across files
@@ -118,8 +120,7 @@ class Checkpoint(ShardFiles):
         if (not fname or os.path.isabs(fname) or "\\" in fname or printable(fname) != fname
                 or any(part in ("", ".", "..") for part in parts)):
             raise InputError(f"index points at {printable(fname)!r}, which is not a plain path inside the checkpoint "
-                             "directory", file=index_path,
-                             fix="the index is corrupt or hostile; shard names must be relative, without '..' or '.'")
+                             "directory", file=index_path, fix=f"{_FIX_INDEX}: shard names must be plain relative paths")
         if not self._has(fname):
             raise InputError(f"index names shard {fname!r}, which is missing", file=index_path,
                              fix="finish the download (or re-download) so every shard is present")

@@ -208,8 +208,39 @@ def read_header(path: Path | str, *, max_header_bytes: int = MAX_HEADER_BYTES) -
     return parse_header(raw, size, path)
 
 
+GGUF_MAGIC = b"GGUF"
+"""the first bytes of every GGUF file (llama.cpp's format)"""
+
+
+def gguf_error(path: object) -> InputError:
+    """What a GGUF file given as a checkpoint is refused with: what it is, and how to get safetensors."""
+    return InputError("this is a GGUF file (llama.cpp's format), not a safetensors checkpoint", file=path,
+                      fix="ckpttool reads safetensors checkpoints: download the model's original safetensors repository "
+                          "(not its GGUF one), or load this file with transformers (from_pretrained(..., "
+                          "gguf_file=...) dequantizes it) and save_pretrained it as safetensors")
+
+
+def refuse_gguf_dir(directory: Path) -> None:
+    """A directory of GGUF files (and no safetensors) is refused as GGUF, not as an empty checkpoint."""
+    if gguf := sorted(p for p in directory.glob("*") if p.suffix.lower() == ".gguf"):
+        raise gguf_error(gguf[0])
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether a path is a GGUF file: its magic (a regular file), or its name where it cannot be read."""
+    try:
+        if stat.S_ISREG(path.stat().st_mode):
+            with open(path, "rb") as f:
+                return f.read(4) == GGUF_MAGIC
+    except OSError:
+        pass
+    return path.suffix.lower() == ".gguf"
+
+
 def header_length(head: bytes, size: int, path: object, max_header_bytes: int = MAX_HEADER_BYTES) -> int:
     """The JSON header's length from a file's first 8 bytes, checked against the cap and the file's size."""
+    if head[:4] == GGUF_MAGIC:  # its version would read as a header length past any cap
+        raise gguf_error(path)
     if len(head) < 8:
         raise InputError(f"file is {size} bytes, shorter than the 8-byte header length", file=path,
                          fix="the file is truncated; re-download it")

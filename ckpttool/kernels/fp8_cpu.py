@@ -110,6 +110,43 @@ def value_tables(values: np.ndarray, scale: np.ndarray, out_dtype: str) -> np.nd
     return prod.view(np.uint32)
 
 
+def library_tables(values: np.ndarray, scale: np.ndarray, scale_dtype: str, out_dtype: str) -> np.ndarray:
+    """value_tables as a library that multiplies in its scale's dtype computes them: for F16 scales the fp32
+    product (exact for every format here: at most 9 significant bits times 11) is rounded to fp16 first, as
+    torch's fp16 multiply does, then cast to the output dtype (a second rounding for BF16). BF16 and F32 scales
+    keep the one rounding of value_tables (for a BF16 output that is torch's bf16 multiply; issue 16's rows
+    give F16 and F32 outputs the product rounded once, and these rows keep that). Compiled where C or numba is
+    (fp8_gather.f16_tables: the same bits)."""
+    if scale_dtype != "F16":
+        return value_tables(values, scale, out_dtype)
+    compiled = fp8_gather.f16_tables()
+    if compiled is not None:
+        flat = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+        out = np.empty((flat.shape[0], len(values)), dtype=np.uint32 if out_dtype == "F32" else np.uint16)
+        compiled(np.ascontiguousarray(values, dtype=np.float32), flat, out, out_dtype)
+        return out.reshape(*scale.shape, len(values))
+    if out_dtype == "F16":
+        return value_tables(values, scale, out_dtype)
+    f32 = value_tables(values, scale, "F16").view(np.float16).astype(np.float32)
+    if out_dtype == "F32":
+        return f32.view(np.uint32)
+    bits = np.empty(f32.shape, dtype=np.uint16)
+    round_to_bf16(f32, bits, np.empty(f32.shape, dtype=np.uint32))
+    return bits
+
+
+def fp8_library_tables(fmt: str, scale: np.ndarray, scale_dtype: str, out_dtype: str) -> np.ndarray:
+    """library_tables of an FP8 format's 256 codes times each scale [S] -> [S, 256]. For F16 scales only the 128
+    codes without the sign bit are multiplied, rounded twice and turned into output bits: the others are their
+    negations, whose products and roundings (to nearest even, overflow included) are the same with the sign flipped,
+    so their bits differ in the sign bit alone. Halves the fp16 tables a per-channel scale makes per row."""
+    if scale_dtype != "F16":
+        return library_tables(fp8_values(fmt), scale, scale_dtype, out_dtype)
+    half = np.ascontiguousarray(library_tables(fp8_values(fmt)[:128], scale, scale_dtype, out_dtype))
+    sign = half.dtype.type(1 << (8 * half.dtype.itemsize - 1))
+    return np.concatenate([half, half ^ sign], axis=-1)
+
+
 def _nan_above(fmt: str) -> int:
     """The largest code magnitude (code & 0x7F) that is not NaN: every code above it is NaN, in both signs."""
     nan = np.isnan(fp8_values(fmt))

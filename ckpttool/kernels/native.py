@@ -37,9 +37,15 @@ _SIGNATURES = {
     "ckpttool_int4_bf16_pairs": ([_P, _I64, _P], None),
     "ckpttool_int4_by_pairs": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64], None),
     "ckpttool_distinct16": ([_P, _I64, _P, _P, _P], _I64),
+    "ckpttool_f16_tables": ([_P, _I64, _P, _I64, _P, ctypes.c_int32], None),
+    **{f"ckpttool_mxfp4_transposed_{t}": ([_P, _P, _P, _P, _I64, _I64, _I64], None) for t in ("u16", "u32")},
     **{f"ckpttool_nvfp4_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64], None) for t in ("u32", "u64")},
     **{f"ckpttool_grouped_{t}_{w}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
        for t in ("u16", "u32", "u64") for w in ("u8", "i32")},
+    **{f"ckpttool_window_{kind}_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
+       for t in ("u16", "u32") for kind in ("bytes", "int8", "nibbles")},
+    **{f"ckpttool_window_{kind}_gidx_{t}": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], None)
+       for t in ("u16", "u32") for kind in ("bytes", "int8", "nibbles")},
     **{f"ckpttool_packed_cols_{t}": ([_P, _I64, _I64, _I64, _I64, ctypes.c_int32, _P, _I64, _P, _P, _P, _P, _I64], None)
        for t in ("u16", "u32")},  # kernels/packed.py (GPTQ, AWQ), which checks their arguments
     **{f"ckpttool_packed_rows_{t}": ([_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64], None) for t in ("u16", "u32")},
@@ -114,6 +120,31 @@ def bf16_tables(values: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None
         if a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
             raise ValueError(f"bf16_tables: a contiguous {np.dtype(dtype)} {shape}, not {a.dtype} {a.shape}")
     _load().ckpttool_bf16_tables(values.ctypes.data, n, scales.ctypes.data, m, out.ctypes.data)
+
+
+def f16_tables(values: np.ndarray, scales: np.ndarray, out: np.ndarray, kind: str) -> None:
+    """out[i, k] = the fp16 product values[k] * scales[i] in `kind`'s bits (fp8_gather.f16_tables)."""
+    n, m = values.shape[0], scales.shape[0]
+    word = np.uint32 if kind == "F32" else np.uint16
+    for a, dtype, shape in ((values, np.float32, (n,)), (scales, np.float32, (m,)), (out, word, (m, n))):
+        if a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
+            raise ValueError(f"f16_tables: a contiguous {np.dtype(dtype)} {shape}, not {a.dtype} {a.shape}")
+    _load().ckpttool_f16_tables(values.ctypes.data, n, scales.ctypes.data, m, out.ctypes.data,
+                                {"F16": 0, "BF16": 1, "F32": 2}[kind])
+
+
+def mxfp4_transposed(blocks: np.ndarray, scales: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
+    """mxfp4_cpu.dequant_transposed in C: blocks uint8 [E, R, G, 16], scales uint8 [E, R, G], the pair table (uint32
+    words for 16-bit outputs, uint64 for F32), out [E, G * 32, R] of half a word, all contiguous."""
+    experts, rows, groups = scales.shape
+    half = {np.dtype(np.uint32): np.uint16, np.dtype(np.uint64): np.uint32}.get(table.dtype)
+    for a, dtype, shape in ((blocks, np.uint8, (experts, rows, groups, 16)),
+                            (scales, np.uint8, (experts, rows, groups)), (table, table.dtype, (256 * 256,)),
+                            (out, half, (experts, groups * 32, rows))):
+        if half is None or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
+            raise ValueError(f"mxfp4_transposed: a contiguous {dtype} {shape}, not {a.dtype} {a.shape}")
+    getattr(_load(), f"ckpttool_mxfp4_transposed_{_SUFFIX[np.dtype(half)]}")(
+        blocks.ctypes.data, scales.ctypes.data, table.ctypes.data, out.ctypes.data, experts, rows, groups)
 
 
 # -- scaled_numba.Kernels in C: the same signatures, so kernels/scaled_cpu.py and nvfp4_cpu.py call either --
@@ -243,6 +274,39 @@ def bnb8(codes: np.ndarray, scb: np.ndarray, out_dtype: str, out: np.ndarray) ->
     _flat(scb, np.float32, "scb", rows)
     _load().ckpttool_bnb8(codes.ctypes.data, _rows(codes, np.int8, "codes"), scb.ctypes.data, rows, width, kind, simd(),
                           out.ctypes.data, _rows(out, word, "out", (rows, width)))
+
+
+def window(codes: np.ndarray, offsets: np.ndarray, tables: np.ndarray, out: np.ndarray, *, group: int, nibbles: bool,
+           flip: int, gidx: np.ndarray | None) -> None:
+    """kernels/window.gather in C, every argument checked here (the C code reads where it is told): codes
+    uint8 [rows, width], out [rows, width * (2 if nibbles else 1)] of the tables' words, offsets int32
+    [rows, groups] whose every entry plus the largest code stays inside the tables, gidx (or None) int32
+    [cols] of group indices below `groups`."""
+    rows, width = codes.shape
+    cols = width * 2 if nibbles else width
+    suffix = _SUFFIX.get(tables.dtype)
+    if suffix not in ("u16", "u32") or group < 1 or (nibbles and group % 2) or flip not in (0, 0x80) \
+            or (nibbles and flip):
+        raise ValueError(f"window: tables {tables.dtype}, group {group}, nibbles {nibbles}, flip {flip}")
+    _flat(tables, tables.dtype, "tables")
+    groups = offsets.shape[1] if offsets.ndim == 2 else -1
+    off_stride = _rows(offsets, np.int32, "offsets", (rows, groups))
+    if gidx is None and groups != -(-cols // group):
+        raise ValueError(f"window: {groups} offsets a row for {cols} columns in groups of {group}")
+    if offsets.size and (int(offsets.min()) < 0 or int(offsets.max()) + (15 if nibbles else 255) >= tables.shape[0]):
+        raise ValueError(f"window: offsets outside the {tables.shape[0]}-entry tables")
+    code_stride, out_stride = _rows(codes, np.uint8, "codes"), _rows(out, tables.dtype, "out", (rows, cols))
+    head = (codes.ctypes.data, code_stride, offsets.ctypes.data, off_stride)
+    kind = "nibbles" if nibbles else "int8" if flip else "bytes"
+    if gidx is not None:
+        _flat(gidx, np.int32, "gidx", cols)
+        if cols and (int(gidx[:cols].min()) < 0 or int(gidx[:cols].max()) >= groups):
+            raise ValueError(f"window: group indices outside [0, {groups})")
+        getattr(_load(), f"ckpttool_window_{kind}_gidx_{suffix}")(
+            *head, gidx.ctypes.data, tables.ctypes.data, out.ctypes.data, out_stride, rows, width)
+        return
+    getattr(_load(), f"ckpttool_window_{kind}_{suffix}")(
+        *head, tables.ctypes.data, out.ctypes.data, out_stride, rows, width, group)
 
 
 SCALED = Kernels(fp8_rows, int4_bf16, nvfp4, fp8_rows_plain, int4_bf16_pairs, int4_by_pairs, distinct16)

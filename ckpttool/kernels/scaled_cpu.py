@@ -26,7 +26,8 @@ import numpy as np
 from ckpttool.dtypes import CARRIERS
 from ckpttool.kernels import native, scaled_numba
 from ckpttool.kernels.fp8_gather import first_nan_row, nan_row
-from ckpttool.kernels.fp8_cpu import INF_BITS, NAN_ABOVE, NaNCodes, code_tables, round_to_bf16, value_tables
+from ckpttool.kernels.fp8_cpu import INF_BITS, NAN_ABOVE, NaNCodes, fp8_library_tables, round_to_bf16, \
+    value_tables
 from ckpttool.kernels.mxfp4_cpu import gather_words, pair_words
 
 _STEP_ELEMENTS = 1 << 20  # output elements per step: temporaries of 4 MiB, in L2 (as kernels/fp8_cpu.py)
@@ -160,7 +161,8 @@ def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype
     rows, cols = codes.shape
     values, which = distinct(scale.reshape(-1))
     distinct_f32 = scale_f32(values, scale_dtype)
-    tables = code_tables(distinct_f32.reshape(-1, 1), fmt, out).reshape(-1, 256)
+    # the library's product: in fp16 first for F16 scales (fp8_cpu.library_tables)
+    tables = np.ascontiguousarray(fp8_library_tables(fmt, distinct_f32, scale_dtype, out)).reshape(-1, 256)
     which = np.broadcast_to(which, (rows,)) if which.shape[0] != rows else which
     result = np.empty((rows, cols), dtype=CARRIERS[out])
     if rows and cols:

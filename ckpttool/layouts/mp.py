@@ -3,7 +3,8 @@ names (DeepSeek's reference layout for the MLA types, ours for dense / MoE / gpt
 by the family's key table (plan/shard.py), and read back through the same table backwards (`merged_tensors`):
 each HF tensor is its ranks' slices concatenated along the row's split dim; replicated tensors come from rank 0,
 routed experts from the one rank holding them, KV heads replicated over several ranks from the first rank
-holding each; parts a table passes through (a wrapper's vision tower) from rank 0, as they are. Every merged
+holding each; parts a table passes through (a wrapper's vision tower) from rank 0, as they are; a tensor held as
+segments (`Segment`) is its segments' parts one after another. Every merged
 shape is checked against the shapes config.json implies."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from ckpttool.errors import InputError
 from ckpttool.families.base import HeadSplit
-from ckpttool.families.keymap import EXPERT, RANK0
+from ckpttool.families.keymap import EXPERT, RANK0, Segment
 from ckpttool.families.table import family_for
 from ckpttool.io.checkpoint import Checkpoint, Piece, ShardFiles, SourceTensor, read_config
 from ckpttool.io.layout import INDEX_NAME, MP_FILE, find_mp, mp_file
@@ -22,6 +23,7 @@ from ckpttool.kernels.fp8 import scale_shape
 from ckpttool.layouts.row import Layout, no_extras
 from ckpttool.plan.shard import shard
 from ckpttool.plan.types import TensorPlan, layout
+
 
 def rank_files(directory: Path, mp: int | None = None) -> list[str]:
     """Each rank's file, in rank order: all N present, no rank beyond them."""
@@ -35,18 +37,37 @@ def merged_tensors(headers: list[SafetensorsFile], family, cfg, expected: dict) 
     tensor, ranks disagreeing on a dtype and a merged shape config.json does not imply."""
     from ckpttool.layouts.hf import natural
 
-    pieces: dict[str, list[tuple[int, str]]] = {}  # HF name -> [(rank, native name)]
-    mapped_of: dict[str, object] = {}
+    pieces: dict[str, dict[int, list[tuple[int, str]]]] = {}  # HF name -> segment -> [(rank, native name)]
+    mapped_of: dict[tuple[str, int], object] = {}
     for rank, header in enumerate(headers):
         for native in header.tensors:
             mapped = family.keys(cfg).to_hf(native)
             if mapped is None:
                 raise InputError(f"not a {family.name} mp tensor name", file=header.path, tensor=native,
                                  fix="merge reads what `ckpttool shard` writes for this config.json's model_type")
-            pieces.setdefault(mapped.name, []).append((rank, native))
-            mapped_of[mapped.name] = mapped
-    return [_merged_tensor(hf, pieces[hf], mapped_of[hf], headers, expected, cfg, len(headers))
+            segment = mapped.split.index if isinstance(mapped.split, Segment) else 0
+            pieces.setdefault(mapped.name, {}).setdefault(segment, []).append((rank, native))
+            mapped_of[mapped.name, segment] = mapped
+    mp = len(headers)
+    return [_joined(hf, {i: _merged_tensor(hf, found, mapped_of[hf, i], headers, expected, cfg, mp)
+                         for i, found in pieces[hf].items()}, mapped_of[hf, min(pieces[hf])], headers)
             for hf in sorted(pieces, key=natural)]
+
+
+def _joined(hf: str, segments: dict[int, TensorPlan], mapped, headers: list[SafetensorsFile]) -> TensorPlan:
+    """An HF tensor from its one merged part, or from every segment's parts one after another."""
+    if not isinstance(mapped.split, Segment):
+        return segments[0]
+    merged, dim = [segments[i] for i in sorted(segments)], mapped.split.dim
+    problem = (f"the shards hold segments {sorted(segments)} of it, not each of {list(mapped.split.sizes)}"
+               if sorted(segments) != list(range(len(mapped.split.sizes))) else
+               f"its segments disagree on the dtype ({sorted({t.dtype for t in merged})})"
+               if len({t.dtype for t in merged}) > 1 else None)
+    if problem:
+        raise InputError(problem, file=headers[0].path, tensor=hf,
+                         fix="the shards are incomplete or from different conversions")
+    shape = tuple(sum(t.shape[dim] for t in merged) if d == dim else n for d, n in enumerate(merged[0].shape))
+    return merged[0].with_(shape=shape, parts=tuple(p for t in merged for p in t.parts), concat_dim=dim)
 
 
 def _merged_tensor(hf: str, found: list[tuple[int, str]], mapped, headers: list[SafetensorsFile],
@@ -67,6 +88,11 @@ def _merged_tensor(hf: str, found: list[tuple[int, str]], mapped, headers: list[
     full = tuple(expected[weight])
     if companion is not None:
         full = scale_shape(full, companion.block)
+    if isinstance(split, Segment):  # this segment's own extent: its one range at mp=1
+        length = split.rank_ranges(tuple(expected[weight]), cfg, 1, tensor=found[0][1])[0][1]
+        full = tuple(length if d == split.dim else n for d, n in enumerate(tuple(expected[weight])))
+        if companion is not None:
+            full = scale_shape(full, companion.block)
     infos = {rank: headers[rank].tensors[native] for rank, native in found}
     dtypes = {i.dtype for i in infos.values()}
     rank0, native0 = found[0]
@@ -89,10 +115,10 @@ def _merged_tensor(hf: str, found: list[tuple[int, str]], mapped, headers: list[
             raise InputError(f"routed expert tensor is on ranks {ranks}, expected one", tensor=native0,
                              file=headers[rank0].path)
         parts = (part(ranks[0]),)
-    elif split is None or mp == 1:
+    elif split is None or (mp == 1 and not isinstance(split, Segment)):
         need_all_ranks()
         parts = (part(0),)
-    elif isinstance(split, HeadSplit):
+    elif isinstance(split, (HeadSplit, Segment)):
         need_all_ranks()
         ranges = split.rank_ranges(tuple(expected[weight]), cfg, mp, tensor=native0, file=headers[rank0].path)
         if companion is not None:

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckpttool.errors import InputError
+from ckpttool.model.lm import VocabParallelLM
 from ckpttool.model.norms import GemmaRMSNorm, RMSNorm
-from ckpttool.model.parallel import Linear, ParallelContext, ParallelEmbedding
+from ckpttool.model.parallel import Linear, ParallelContext
 
 ROPE_TYPES = ("default", "linear", "llama3")
 """the rope types rope_inv_freq implements"""
@@ -267,32 +268,17 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class Decoder(nn.Module):
-    """Vocabulary-parallel embedding, blocks, final norm and a vocabulary-parallel output whose slices
-    are all-gathered; with tied embeddings the output reuses the embedding's rows. `feed_forward(i)`
-    builds layer i's feed-forward module, `attention(i)` (where given) its attention."""
+class Decoder(VocabParallelLM):
+    """Blocks between model/lm.py's embedding and head. `feed_forward(i)` builds layer i's feed-forward module,
+    `attention(i)` (where given) its attention."""
 
     def __init__(self, s: DecoderShape, ctx: ParallelContext, dtype: torch.dtype,
                  feed_forward: Callable[[int], nn.Module], attention: Callable[[int], nn.Module] | None = None):
-        super().__init__()
-        self.shape, self.ctx, self.dtype = s, ctx, dtype
-        self.tok_embeddings = ParallelEmbedding(ctx, s.vocab_size, s.hidden_size, dtype)
+        super().__init__(ctx, s.vocab_size, s.hidden_size, s.norm(s.hidden_size, dtype), dtype,
+                         tie_word_embeddings=s.tie_word_embeddings, head_bias=s.lm_head_bias)
+        self.shape = s
         self.layers = nn.ModuleList(Block(s, ctx, dtype, feed_forward(i), None if attention is None else attention(i))
                                     for i in range(s.num_layers))
-        self.norm = s.norm(s.hidden_size, dtype)
-        local_vocab = ctx.split(s.vocab_size, "vocab_size")
-        if not s.tie_word_embeddings:
-            self.output = Linear(s.hidden_size, local_vocab, dtype)
-        if s.lm_head_bias:  # ERNIE's use_bias: the head has a bias even where its weight is the embedding's
-            if s.tie_word_embeddings:
-                self.output = nn.Module()
-            self.output.bias = nn.Parameter(torch.empty(local_vocab, dtype=dtype), requires_grad=False)
-        self.max_seq_len = 0
-
-    @property
-    def embed(self) -> ParallelEmbedding:
-        """The name model.generate looks for (the DeepSeek model's)."""
-        return self.tok_embeddings
 
     def setup_caches(self, batch: int, max_seq_len: int) -> None:
         device = self.tok_embeddings.weight.device
@@ -307,10 +293,7 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, all_positions: bool = False) -> torch.Tensor:
         """tokens: [B, S] at positions start_pos.. -> float32 logits [B, V] (last position) or [B, S, V]."""
-        seqlen = tokens.shape[1]
-        end = start_pos + seqlen
-        if end > self.max_seq_len:
-            raise ValueError(f"position {end} exceeds the cache of {self.max_seq_len}; call setup_caches")
+        end = self.positions(tokens, start_pos)
         h = self.tok_embeddings(tokens)
         cos, sin = self.cos[start_pos:end], self.sin[start_pos:end]
         q_pos = torch.arange(start_pos, end, device=tokens.device)[:, None]
@@ -327,9 +310,4 @@ class Decoder(nn.Module):
                 ~allowed, float("-inf"))
         for block, kind in zip(self.layers, kinds):
             h = block(h, start_pos, cos, sin, masks[kind])
-        h = self.norm(h)
-        if not all_positions:
-            h = h[:, -1]
-        weight = self.tok_embeddings.weight if self.shape.tie_word_embeddings else self.output.dense_weight()
-        bias = self.output.bias if self.shape.lm_head_bias else None
-        return self.ctx.all_gather_last_dim(F.linear(h, weight, bias)).float()
+        return self.logits(h, all_positions)

@@ -4,7 +4,8 @@ Planned from the shards' headers and config.json alone, through the same key tab
 (KeyMap.to_hf): each HF tensor is the concatenation of its ranks' slices along the row's split dim;
 replicated tensors come from rank 0, routed experts from the one rank holding them, and KV heads
 replicated over several ranks from the first rank holding each; parts a table passes through (a wrapper's
-vision tower) from rank 0, as they are. Every merged shape is checked against
+vision tower) from rank 0, as they are; a tensor held as segments (`Segment`) is its segments' parts one
+after another. Every merged shape is checked against
 the shapes config.json implies. The plan runs on the same executor, staging, journal and publish as
 every other command (so `--resume`, the memory budget, the manifest and torchrun work as for convert),
 writing HF-layout files in transformers' conventions: `model.safetensors`, or

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ckpttool.errors import PlanError
 from ckpttool.families.base import Family, HeadSplit
-from ckpttool.families.keymap import EXPERT, RANK0
+from ckpttool.families.keymap import EXPERT, RANK0, Segment
 from ckpttool.formats import FP8_SCALE
 from ckpttool.io.layout import mp_file
 from ckpttool.plan.types import TensorPlan
@@ -19,19 +19,20 @@ def _fp8_kept(t: TensorPlan, is_scale: bool) -> bool:
 
 def shard(tensors: list[TensorPlan], family: Family, cfg, mp: int, files_of: dict[str, str]) -> list[TensorPlan]:
     """Each input tensor becomes one tensor per rank (split or replicated), or, for a routed expert,
-    one tensor on the rank owning its contiguous expert range (for a part the table passes through, on rank 0). `files_of` maps input tensor -> input
-    file, for error messages."""
+    one tensor on the rank owning its contiguous expert range (for a part the table passes through, on rank
+    0); one held as segments (`Segment`) becomes one tensor per segment and rank. `files_of` maps input
+    tensor -> input file, for error messages."""
     family.check_mp(cfg, mp)
     per_rank = max(family.num_experts(cfg) // mp, 1)
     shapes = {t.name: t.shape for t in tensors}
     out: list[TensorPlan] = []
-    for t in tensors:
-        mapped = family.keys(cfg).to_native(t.name)
-        if mapped is None:
-            raise PlanError("tensor has no row in the key table", file=files_of.get(t.source), tensor=t.name,
-                            fix=f"this {family.name} checkpoint has a tensor ckpttool does not know; report it")
+    for t, mapped in ((t, m) for t in tensors for m in _natives(family, cfg, t, files_of)):
         is_scale = mapped.companion is not None
-        if mapped.split == EXPERT:
+        if isinstance(mapped.split, Segment):
+            weight_shape = shapes.get(mapped.hf_weight, t.shape) if is_scale else t.shape
+            ranges = mapped.split.rank_ranges(weight_shape, cfg, mp, tensor=t.name, file=files_of.get(t.source))
+            out += _split_heads(t, mapped.name, mapped.split, ranges, weight_shape, is_scale, files_of.get(t.source))
+        elif mapped.split == EXPERT:
             rank = mapped.values["expert"] // per_rank
             out.append(t.with_(name=mapped.name, file=mp_file(rank, mp)))
         elif mapped.split == RANK0:  # a part passed through (a wrapper's vision tower): whole, on rank 0
@@ -45,6 +46,14 @@ def shard(tensors: list[TensorPlan], family: Family, cfg, mp: int, files_of: dic
         else:
             out += _split(t, mapped.name, mapped.split, mp, is_scale, files_of.get(t.source))
     return out
+
+
+def _natives(family: Family, cfg, t: TensorPlan, files_of: dict[str, str]) -> list:
+    mapped = family.keys(cfg).to_natives(t.name)
+    if not mapped:
+        raise PlanError("tensor has no row in the key table", file=files_of.get(t.source), tensor=t.name,
+                        fix=f"this {family.name} checkpoint has a tensor ckpttool does not know; report it")
+    return mapped
 
 
 def _split(t: TensorPlan, name: str, dim: int, mp: int, is_scale: bool, file) -> list[TensorPlan]:

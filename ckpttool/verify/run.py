@@ -384,8 +384,7 @@ def _wait(procs: list, timeout_s: float) -> None:
 
 
 def _collect(tmp: Path, procs: list) -> VerifyReport:
-    for rank in range(len(procs)):
-        error_path = tmp / f"error-rank{rank}.json"
+    for error_path in (tmp / f"error-rank{rank}.json" for rank in range(len(procs))):
         if error_path.exists():
             raise InputError(json.loads(error_path.read_text())["message"])
     result = tmp / "result.json"
@@ -393,8 +392,9 @@ def _collect(tmp: Path, procs: list) -> VerifyReport:
         return VerifyReport.from_json(json.loads(result.read_text()))
     for rank, p in enumerate(procs):
         if p.exitcode != 0:
-            log = (tmp / f"rank{rank}.log").read_bytes().decode(errors="replace").strip().splitlines()
-            tail = "\n    ".join(log[-15:])
+            log = tmp / f"rank{rank}.log"  # none where the rank died before its body opened it
+            lines = log.read_bytes().decode(errors="replace").strip().splitlines() if log.exists() else ["(no log)"]
+            tail = "\n    ".join(lines[-15:])
             raise CkptError(f"verify rank {rank} exited with code {p.exitcode}:\n    {tail}",
                             fix="report a bug with this output if the checkpoint and options look right")
     raise CkptError("verify ranks did not finish in time", fix="raise the timeout or check the ranks' load")

@@ -1,0 +1,238 @@
+/* Integer codes with per-group scales and zero points, in C: kernels/window.py's loops (its docstring says
+ * what they compute and why), the same bits as its numba and numpy forms. kernels/native.py checks every
+ * shape, dtype, stride and index range first; row strides are in elements.
+ *
+ *   bytes:   out[i, j] = tables[offsets[i, j / group] + codes[i, j]]   (int8: codes[i, j] ^ 0x80)
+ *   nibbles: out[i, 2k] = tables[offsets[i, 2k / group] + (codes[i, k] & 15)], out[i, 2k + 1] the high nibble
+ *   g_idx:   the same with offsets[i, g_idx[j]]: each column's group read from a table (GPTQ's act-order)
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)0)
+#endif
+
+
+/* One group's codes in blocks of a constant length (32 bytes, or 16 bytes of nibbles), whatever the group size:
+ * with a constant trip count gcc unrolls the block and combines its table words into 16-byte stores; a group-sized
+ * loop of another length ran at half the speed (gcc 12, x86-64 baseline: bench/RESULTS.md). */
+#define RUN_BLOCKS(T, LEN, STEP, BODY)                                                                     \
+    {                                                                                                   \
+        int64_t k = 0;                                                                                  \
+        for (; k + (STEP) <= (LEN); k += (STEP))                                                        \
+            for (int64_t q = k; q < k + (STEP); q++) BODY;                                              \
+        for (; k < (LEN); k++) {                                                                        \
+            const int64_t q = k;                                                                        \
+            BODY;                                                                                       \
+        }                                                                                               \
+    }
+
+/* FLIP a constant: a runtime one cost two instructions an element (an XOR and a zero extension) */
+/* FLIP a constant: a runtime one cost two instructions an element (an XOR and a zero extension). int8 codes flip
+ * their sign bit eight at a time in a 64-bit word: gcc's vector XOR of 16 codes, each code then spilled and reloaded
+ * to index the table, ran at 0.6-0.7x the loop without it (gcc 12, x86-64 baseline, the 2-core box). */
+#define FLIP8(T, FLIP, q, dst, src, tb)                                                                   \
+    {                                                                                                   \
+        uint64_t v;                                                                                     \
+        memcpy(&v, (src) + (q), 8);                                                                     \
+        v ^= 0x0101010101010101ULL * (uint64_t)(FLIP);                                                  \
+        for (int b = 0; b < 8; b++) (dst)[(q) + b] = (tb)[(uint8_t)(v >> (8 * b))];                     \
+    }
+
+#define BYTES(NAME, T, FLIP)                                                                            \
+    void NAME(const uint8_t *restrict codes, int64_t code_stride, const int32_t *restrict offsets,     \
+              int64_t off_stride, const T *restrict tables, T *restrict out, int64_t out_stride,       \
+              int64_t rows, int64_t cols, int64_t group) {                                              \
+        const int64_t full = cols / group;                                                              \
+        for (int64_t i = 0; i < rows; i++) {                                                            \
+            const int32_t *restrict w = offsets + i * off_stride;                                       \
+            const uint8_t *restrict c = codes + i * code_stride;                                        \
+            T *restrict o = out + i * out_stride;                                                       \
+            for (int64_t g = 0; g < full; g++) {                                                        \
+                const T *restrict tb = tables + w[g];                                                   \
+                const uint8_t *restrict cb = c + g * group;                                             \
+                T *restrict ob = o + g * group;                                                         \
+                if (FLIP) {                                                                             \
+                    int64_t q = 0;                                                                      \
+                    for (; q + 8 <= group; q += 8) FLIP8(T, FLIP, q, ob, cb, tb)                        \
+                    for (; q < group; q++) ob[q] = tb[(uint8_t)(cb[q] ^ (FLIP))];                       \
+                } else if (group == 32) /* the whole group as one constant block */                     \
+                    for (int64_t q = 0; q < 32; q++) ob[q] = tb[cb[q]];                                 \
+                else                                                                                    \
+                    RUN_BLOCKS(T, group, 32, ob[q] = tb[cb[q]])                                         \
+            }                                                                                           \
+            for (int64_t j = full * group; j < cols; j++) o[j] = tables[w[full] + (uint8_t)(c[j] ^ (FLIP))]; \
+        }                                                                                               \
+    }
+
+/* group is even: both nibbles of a byte are in one group */
+#define NIBBLES(NAME, T)                                                                                \
+    void NAME(const uint8_t *restrict codes, int64_t code_stride, const int32_t *restrict offsets,     \
+              int64_t off_stride, const T *restrict tables, T *restrict out, int64_t out_stride,       \
+              int64_t rows, int64_t width, int64_t group) {                                             \
+        const int64_t half = group / 2, full = width / half;                                            \
+        for (int64_t i = 0; i < rows; i++) {                                                            \
+            const int32_t *restrict w = offsets + i * off_stride;                                       \
+            const uint8_t *restrict c = codes + i * code_stride;                                        \
+            T *restrict o = out + i * out_stride;                                                       \
+            for (int64_t g = 0; g < full; g++) {                                                        \
+                /* a group's window is under 64 bytes, and thousands of scales' windows leave L1: fetch   \
+                 * four groups ahead (0.65x -> 0.74x the FP8 gather at 6000 scales, groups of 32) */       \
+                if (g + 4 < full) PREFETCH(tables + w[g + 4]);                                        \
+                const T *restrict tb = tables + w[g];                                                   \
+                const uint8_t *restrict cb = c + g * half;                                              \
+                T *restrict ob = o + g * group;                                                         \
+                if (half == 8) /* groups of 16 and 32 values: the whole group as one constant block */  \
+                    for (int64_t q = 0; q < 8; q++) ob[2 * q] = tb[cb[q] & 15], ob[2 * q + 1] = tb[cb[q] >> 4]; \
+                else if (half == 16)                                                                    \
+                    for (int64_t q = 0; q < 16; q++) ob[2 * q] = tb[cb[q] & 15], ob[2 * q + 1] = tb[cb[q] >> 4]; \
+                else                                                                                    \
+                    RUN_BLOCKS(T, half, 16, (ob[2 * q] = tb[cb[q] & 15], ob[2 * q + 1] = tb[cb[q] >> 4])) \
+            }                                                                                           \
+            for (int64_t k = full * half; k < width; k++) {                                             \
+                o[2 * k] = tables[w[full] + (c[k] & 15)];                                               \
+                o[2 * k + 1] = tables[w[full] + (c[k] >> 4)];                                           \
+            }                                                                                           \
+        }                                                                                               \
+    }
+
+/* With a group index the group changes column by column: four rows at a time, so that each column's group is read
+ * once for four outputs */
+#define ROW_POINTERS(T, R)                                                                              \
+    const int32_t *restrict w##R = offsets + (i + R) * off_stride;                                      \
+    const uint8_t *restrict c##R = codes + (i + R) * code_stride;                                       \
+    T *restrict o##R = out + (i + R) * out_stride;
+
+#define BYTE_OUT(R, FLIP) o##R[j] = tables[w##R[g] + (uint8_t)(c##R[j] ^ (FLIP))];
+
+#define BYTES_GIDX(NAME, T, FLIP)                                                                       \
+    void NAME(const uint8_t *restrict codes, int64_t code_stride, const int32_t *restrict offsets,     \
+              int64_t off_stride, const int32_t *restrict gidx, const T *restrict tables, T *restrict out, \
+              int64_t out_stride, int64_t rows, int64_t cols) {                                         \
+        int64_t i = 0;                                                                                  \
+        for (; i + 4 <= rows; i += 4) {                                                                 \
+            ROW_POINTERS(T, 0) ROW_POINTERS(T, 1) ROW_POINTERS(T, 2) ROW_POINTERS(T, 3)                 \
+            for (int64_t j = 0; j < cols; j++) {                                                        \
+                const int32_t g = gidx[j];                                                              \
+                BYTE_OUT(0, FLIP) BYTE_OUT(1, FLIP) BYTE_OUT(2, FLIP) BYTE_OUT(3, FLIP)                 \
+            }                                                                                           \
+        }                                                                                               \
+        for (; i < rows; i++) {                                                                         \
+            ROW_POINTERS(T, 0)                                                                          \
+            for (int64_t j = 0; j < cols; j++) {                                                        \
+                const int32_t g = gidx[j];                                                              \
+                BYTE_OUT(0, FLIP)                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+    }
+
+#define NIBBLE_OUT(R)                                                                                   \
+    {                                                                                                   \
+        const uint8_t b = c##R[k];                                                                      \
+        o##R[2 * k] = tables[w##R[ga] + (b & 15)];                                                      \
+        o##R[2 * k + 1] = tables[w##R[gb] + (b >> 4)];                                                  \
+    }
+
+#define NIBBLES_GIDX(NAME, T)                                                                           \
+    void NAME(const uint8_t *restrict codes, int64_t code_stride, const int32_t *restrict offsets,     \
+              int64_t off_stride, const int32_t *restrict gidx, const T *restrict tables, T *restrict out, \
+              int64_t out_stride, int64_t rows, int64_t width) {                                        \
+        int64_t i = 0;                                                                                  \
+        for (; i + 4 <= rows; i += 4) {                                                                 \
+            ROW_POINTERS(T, 0) ROW_POINTERS(T, 1) ROW_POINTERS(T, 2) ROW_POINTERS(T, 3)                 \
+            for (int64_t k = 0; k < width; k++) {                                                       \
+                const int32_t ga = gidx[2 * k], gb = gidx[2 * k + 1];                                   \
+                NIBBLE_OUT(0) NIBBLE_OUT(1) NIBBLE_OUT(2) NIBBLE_OUT(3)                                 \
+            }                                                                                           \
+        }                                                                                               \
+        for (; i < rows; i++) {                                                                         \
+            ROW_POINTERS(T, 0)                                                                          \
+            for (int64_t k = 0; k < width; k++) {                                                       \
+                const int32_t ga = gidx[2 * k], gb = gidx[2 * k + 1];                                   \
+                NIBBLE_OUT(0)                                                                           \
+            }                                                                                           \
+        }                                                                                               \
+    }
+
+BYTES(ckpttool_window_bytes_u16, uint16_t, 0)
+BYTES(ckpttool_window_bytes_u32, uint32_t, 0)
+BYTES(ckpttool_window_int8_u16, uint16_t, 0x80)
+BYTES(ckpttool_window_int8_u32, uint32_t, 0x80)
+NIBBLES(ckpttool_window_nibbles_u16, uint16_t)
+NIBBLES(ckpttool_window_nibbles_u32, uint32_t)
+BYTES_GIDX(ckpttool_window_bytes_gidx_u16, uint16_t, 0)
+BYTES_GIDX(ckpttool_window_bytes_gidx_u32, uint32_t, 0)
+BYTES_GIDX(ckpttool_window_int8_gidx_u16, uint16_t, 0x80)
+BYTES_GIDX(ckpttool_window_int8_gidx_u32, uint32_t, 0x80)
+NIBBLES_GIDX(ckpttool_window_nibbles_gidx_u16, uint16_t)
+NIBBLES_GIDX(ckpttool_window_nibbles_gidx_u32, uint32_t)
+
+/* float32 -> float16 bits, round to nearest even (numpy's and torch's conversion): the normal range by rounding away
+ * 13 mantissa bits, subnormals (multiples of 2**-24) by rounding the significand, 65520 and up to infinity; a NaN
+ * stays a NaN (quiet). */
+static inline uint16_t f16_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+    if (ax >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);
+    if (ax >= 0x38800000u) {
+        const uint32_t r = ax - 0x38000000u;
+        return (uint16_t)(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13));
+    }
+    if (ax <= 0x33000000u) return (uint16_t)sign; /* at most 2**-25, half the smallest subnormal: even, zero */
+    const uint32_t shift = 126u - (ax >> 23), m = (ax & 0x7FFFFFu) | 0x800000u;
+    const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    uint32_t q = m >> shift;
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+}
+
+/* A finite float32 rounded to float16's precision (nearest even), kept in float32, without branches: adding and
+ * subtracting c, a power of two 13 binades above x's (at least 2**-1: float16's subnormals are multiples of 2**-24),
+ * of x's sign, rounds x to c's ulp; the sign put back keeps -0.0; 65520 and up become infinity; a NaN stays one
+ * (a NaN scale must reach the kernels' NaN test, not become an infinity). */
+static inline float f16_rounded(float x) {
+    uint32_t u, cu, ru;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) { /* a NaN stays a NaN, as f16_bits then back to float32 make it */
+        ru = (u & 0x80000000u) | 0x7F800000u | ((0x200u | ((u >> 13) & 0x3FFu)) << 13);
+        float r;
+        memcpy(&r, &ru, sizeof r);
+        return r;
+    }
+    const uint32_t e = u & 0x7F800000u;
+    cu = ((e > 0x38800000u ? e : 0x38800000u) + (13u << 23)) | (u & 0x80000000u);
+    float c, r;
+    memcpy(&c, &cu, sizeof c);
+    r = (x + c) - c;
+    memcpy(&ru, &r, sizeof ru);
+    ru |= u & 0x80000000u;
+    if ((ru & 0x7FFFFFFFu) > 0x477FE000u) ru = (u & 0x80000000u) | 0x7F800000u; /* past 65504 */
+    memcpy(&r, &ru, sizeof r);
+    return r;
+}
+
+/* out[i, k] = the fp16 product values[k] * scales[i] (a library multiplying in fp16: fp8_cpu.library_tables), then
+ * in the output's bits: kind 0 F16, 1 BF16 (uint16), 2 F32 (uint32). Products are finite (scales are checked). */
+void ckpttool_f16_tables(const float *restrict values, int64_t n, const float *restrict scales, int64_t m, void *out,
+                         int32_t kind) {
+    for (int64_t i = 0; i < m; i++) {
+        const float s = scales[i];
+        if (kind == 0)
+            for (int64_t k = 0; k < n; k++) ((uint16_t *)out)[i * n + k] = f16_bits(values[k] * s);
+        else if (kind == 1)
+            for (int64_t k = 0; k < n; k++)
+                ((uint16_t *)out)[i * n + k] = (uint16_t)ckpttool_bf16_bits(f16_rounded(values[k] * s));
+        else
+            for (int64_t k = 0; k < n; k++) {
+                const float v = f16_rounded(values[k] * s);
+                memcpy((uint32_t *)out + i * n + k, &v, sizeof v);
+            }
+    }
+}

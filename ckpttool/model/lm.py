@@ -1,0 +1,58 @@
+"""The shell the bundled decoder-only models share around their layers: a vocabulary-parallel embedding, the
+final norm, and a vocabulary-parallel output whose slices are all-gathered (tied embeddings reuse the
+embedding's rows; ERNIE's head keeps a bias even then). A model subclasses `VocabParallelLM`, builds its
+layers, and calls `positions` and `logits` around them in its forward; the `output` and `tok_embeddings` names
+are the mp checkpoint's."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ckpttool.model.parallel import Linear, ParallelContext, ParallelEmbedding
+
+
+class VocabParallelLM(nn.Module):
+    def __init__(self, ctx: ParallelContext, vocab_size: int, hidden_size: int, norm: nn.Module, dtype: torch.dtype,
+                 *, tie_word_embeddings: bool, head_bias: bool = False):
+        super().__init__()
+        self.ctx, self.dtype = ctx, dtype
+        self.tie_word_embeddings, self.head_bias = tie_word_embeddings, head_bias
+        self.tok_embeddings = ParallelEmbedding(ctx, vocab_size, hidden_size, dtype)
+        self.norm = norm
+        local_vocab = ctx.split(vocab_size, "vocab_size")
+        if not tie_word_embeddings:
+            self.output = Linear(hidden_size, local_vocab, dtype)
+        if head_bias:
+            if tie_word_embeddings:
+                self.output = nn.Module()
+            self.output.bias = nn.Parameter(torch.empty(local_vocab, dtype=dtype), requires_grad=False)
+        self.max_seq_len = 0
+
+    @property
+    def embed(self) -> ParallelEmbedding:
+        """The name model.generate looks for."""
+        return self.tok_embeddings
+
+    def positions(self, tokens: torch.Tensor, start_pos: int) -> int:
+        """The end position of `tokens` [B, S] placed at start_pos, which the caches must hold."""
+        end = start_pos + tokens.shape[1]
+        if end > self.max_seq_len:
+            raise ValueError(f"position {end} exceeds the cache of {self.max_seq_len}; call setup_caches")
+        return end
+
+    def logits(self, h: torch.Tensor, all_positions: bool) -> torch.Tensor:
+        """The final norm and the head over every rank's vocabulary: float32 [B, V] (last position) or [B, S, V]."""
+        h = self.norm(h)
+        if not all_positions:
+            h = h[:, -1]
+        weight = self.tok_embeddings.weight if self.tie_word_embeddings else self.output.dense_weight()
+        bias = self.output.bias if self.head_bias else None
+        return self.ctx.all_gather_last_dim(F.linear(h, weight, bias)).float()
+
+
+def causal_mask(start_pos: int, end: int, like: torch.Tensor) -> torch.Tensor:
+    """An additive [S, T] mask: 0 where a query at start_pos.. may see a key at 0..end-1, -inf elsewhere."""
+    allowed = torch.arange(end, device=like.device)[None, :] <= torch.arange(start_pos, end, device=like.device)[:, None]
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(~allowed, float("-inf"))
