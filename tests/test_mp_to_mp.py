@@ -102,3 +102,16 @@ def test_killed_then_resumed_is_byte_identical(dense, tmp_path, point):
     run_cli("convert", tmp_path / "n", tmp_path / "m", *flags, "--resume")
     assert {p.name: p.read_bytes() for p in (tmp_path / "m").iterdir()} == \
         {p.name: p.read_bytes() for p in (tmp_path / "clean").iterdir()}
+
+
+@pytest.mark.parametrize("n,m", [(4, 2), (1, 2)])
+def test_segmented_tensors_recut(tmp_path, n, m):
+    """Qwen3-Next: fused per-group projections held as several mp tensors (`Segment`), each cut on whole key heads,
+    and 2 KV heads replicated at mp 4: re-cut from their segments' ranks as merge then shard writes them."""
+    from dense_models import build_hf
+    from test_gated_deltanet import _BASE, TINY
+
+    hf = build_hf("qwen3_next", tmp_path / "hf", spec={**_BASE, **TINY["qwen3_next"]})
+    run_cli("shard", hf, tmp_path / "n", "--mp", n, "--quiet")
+    run_cli("shard", tmp_path / "n", tmp_path / "m", "--mp", m, "--quiet")
+    assert _files(tmp_path / "m") == _merge_then_shard(tmp_path / "n", tmp_path, m, "--dtype", "fp8")
