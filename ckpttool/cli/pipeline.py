@@ -200,6 +200,9 @@ def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mt
     SRC may be ckpttool's mp shards: `convert MP_DIR DST --mp M` re-cuts them for M ranks in one
     streaming pass, byte for byte what merge then shard writes (FP8 weights stay FP8: --dtype fp8).
 
+    SRC may be a torch distributed checkpoint (.metadata + *.distcp, the model's config.json beside it):
+    its chunks are assembled per output tensor in the same pass; optimizer state is left out.
+
     Example: ckpttool convert ./DeepSeek-V3 ./DeepSeek-V3-mp8-bf16 --mp 8 --dtype bf16 --verify
 
     Example: ckpttool convert deepseek-ai/DeepSeek-V3 ./v3-mp8 --mp 8 --max-input-files 2

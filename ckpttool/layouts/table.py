@@ -9,12 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpttool.errors import InputError, did_you_mean
+from ckpttool.layouts.dcp import DCP
 from ckpttool.layouts.hf import HF
 from ckpttool.layouts.mp import MP
 from ckpttool.layouts.mp import rank_files as MP_RANK_FILES
 from ckpttool.layouts.row import Layout
 
-LAYOUTS: tuple[Layout, ...] = (MP, HF)
+LAYOUTS: tuple[Layout, ...] = (DCP, MP, HF)
 """in the order an input directory is matched against them"""
 NAMES: tuple[str, ...] = tuple(sorted(row.name for row in LAYOUTS))
 
