@@ -1,4 +1,4 @@
-"""The torch distributed checkpoint layout (DCP: `.metadata` + `*.distcp`), as an input.
+"""The torch distributed checkpoint layout (DCP: `.metadata` + `*.distcp`), as an input (as an output: dcp_out.py).
 
 Read without torch (io/dcp.py): each model tensor is its chunks, one byte range each in a `.distcp` file, which a
 plan gathers per output tensor (plan/assemble.py, execute/gather.py) as it gathers mp ranks: streaming, memory a
@@ -14,11 +14,12 @@ import os
 from pathlib import Path
 
 from ckpttool.dtypes import itemsize
-from ckpttool.errors import InputError, PlanError
+from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint, Piece, ShardFiles, SourceTensor, read_config
 from ckpttool.io.dcp import METADATA, chunk_range, read_metadata
 from ckpttool.io.safetensors import SafetensorsFile, TensorInfo, check_tensor_name
-from ckpttool.layouts.row import Layout, no_extras
+from ckpttool.layouts import dcp_out
+from ckpttool.layouts.row import Layout
 
 NOT_MODEL = ("optim", "optimizer", "optimizers", "optimizer_state", "optim_state", "lr_scheduler", "lr_schedulers",
              "scheduler", "schedulers", "dataloader", "train_state", "trainer_state", "rng", "rng_state", "step",
@@ -120,14 +121,10 @@ def _listing(path: Path) -> tuple:
     return None, entries, config
 
 
-def _not_yet(*args, **kwargs):
-    raise PlanError("writing a DCP is not supported yet", fix="write HF (no --layout) and save it with torch")
-
-
 DCP = Layout(
     name="dcp", title="torch distributed checkpoint", per_rank=True, native_names=False, suffix=".distcp",
-    keeps_mtp=lambda family: True, place=_not_yet, lay_out=_not_yet, index=lambda files, family: None,
-    extras=no_extras, holds=_holds, open=_open, listing=_listing,
+    keeps_mtp=lambda family: True, place=dcp_out.place, lay_out=dcp_out.lay_out, index=lambda files, family: None,
+    extras=dcp_out.extras, holds=_holds, open=_open, listing=_listing,
     read_back="convert reads a DCP as it is: ckpttool convert DCP_DIR HF_DIR",
     verify="verify loads model-parallel shards: convert the DCP with --mp N first",
 )

@@ -64,10 +64,13 @@ class OutFile:
     name: str
     header: bytes  # the 8-byte length prefix + JSON header, padded
     tensors: list[PlacedTensor]
+    fixed: tuple[tuple[int, bytes], ...] = ()
+    """a container's own bytes between and after the tensors (DCP: each chunk's zip framing), at their offsets,
+    written with the header when the file is created"""
 
     @property
     def size(self) -> int:
-        return len(self.header) + sum(p.end - p.start for p in self.tensors)
+        return len(self.header) + sum(p.end - p.start for p in self.tensors) + sum(len(b) for _, b in self.fixed)
 
 
 @dataclass(slots=True)
@@ -108,7 +111,9 @@ class Plan:
             "inputs": self.inputs,
             "files": [
                 {"name": f.name, "size": f.size, "header_bytes": len(f.header),
-                 "tensors": [dict(_tensor_json(p.tensor), start=p.start, end=p.end) for p in f.tensors]}
+                 "tensors": [dict(_tensor_json(p.tensor), start=p.start, end=p.end) for p in f.tensors],
+                 # only containers with framing of their own have the key: other plans' hashes read as before
+                 **({"fixed": [[at, hashlib.sha256(b).hexdigest()] for at, b in f.fixed]} if f.fixed else {})}
                 for f in self.files
             ],
             "index": self.index,
