@@ -1,10 +1,10 @@
 """What a safetensors file or a checkpoint directory holds: tensors grouped by name pattern, dtypes,
 sizes, model_type and quantization (`ckpttool inspect`).
 
-Every output ckpttool writes is one of two layouts: HF (an index or *.safetensors, each tensor name in
-one file) or mp (`model{i}-mp{N}.safetensors`, where split and replicated tensors repeat their name in
-every rank's file). An mp directory is read as its N rank files, so a repeated name is expected there,
-not an error; its tensor entries are keyed `file:name`."""
+A directory is read as the layout row that holds it says (ckpttool/layouts: HF, an index or *.safetensors,
+each tensor name in one file; per-rank layouts such as `model{i}-mp{N}.safetensors`, where split and replicated
+tensors repeat their name in every rank's file). A per-rank directory is read as its rank files, so a repeated
+name is expected there, not an error; its tensor entries are keyed `file:name`."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 from ckpttool.errors import InputError
 from ckpttool.formats import (CKPTTOOL_QUANTIZATION, FP8_SCALE, HF_QUANT_CONFIG, INT4_SCALES_AND_ZEROS, INT8_SCALES,
                               MXFP4, declared_rules)
-from ckpttool.io.checkpoint import Checkpoint, ShardFiles, read_config, read_json_object
-from ckpttool.io.layout import INDEX_NAME, MP_FILE, find_mp, mp_file
+from ckpttool.io.checkpoint import read_config, read_json_object
 from ckpttool.io.safetensors import read_header
 from ckpttool.formats.resolve import members_of
+from ckpttool.layouts.table import of_directory
 from ckpttool.plan.dequant import matches
 from ckpttool.plan.types import TensorPlan
 
@@ -29,35 +29,24 @@ def _pattern(name: str) -> str:
     return ".".join("{}" if p.isdigit() else p for p in name.split("."))
 
 
-def _is_mp_dir(path: Path) -> bool:
-    return not (path / INDEX_NAME).exists() and any(MP_FILE.fullmatch(p.name) for p in path.iterdir())
-
-
-def _entries(path: Path) -> tuple[str, int | None, list[Entry], dict]:
-    """(layout, mp, entries, config.json) of a file, an mp directory or an HF directory."""
+def _entries(path: Path):
+    """(layout row or None for a file, ranks, entries, config.json) of a file or a directory."""
     if path.is_file():
         sf = read_header(path)
-        return "file", None, [(path.name, n, i.dtype, tuple(i.shape), i.nbytes) for n, i in sf.tensors.items()], {}
-    if _is_mp_dir(path):
-        mp = find_mp(path)
-        names = [mp_file(r, mp) for r in range(mp)]
-        with ShardFiles(path, names) as shards:
-            entries = [(f, n, i.dtype, tuple(i.shape), i.nbytes) for f in names for n, i in shards.files[f].tensors.items()]
-        config = read_config(path / "config.json") if (path / "config.json").exists() else {}
-        return "mp", mp, entries, config
-    with Checkpoint(path) as ckpt:
-        entries = [(s.file, n, s.info.dtype, tuple(s.info.shape), s.info.nbytes) for n, s in ckpt.tensors.items()]
-        return "hf", None, entries, ckpt.config
+        return None, None, [(path.name, n, i.dtype, tuple(i.shape), i.nbytes) for n, i in sf.tensors.items()], {}
+    row = of_directory(path)
+    ranks, entries, config = row.listing(path)
+    return row, ranks, entries, config
 
 
 def _count_leaf(names: set[str], leaf: str) -> int:
     return sum(n.endswith("." + leaf) for n in names)
 
 
-def _ours(path: Path, layout: str, config: dict) -> str | None:
+def _ours(path: Path, row, config: dict) -> str | None:
     """The format of ckpttool's own gpt-fast int8/int4 output (config.json `ckpttool_quantization`, beside a file
     too), or None: other libraries' `scales` (GPTQ, AWQ) are not ckpttool's int8, whatever their leaf names."""
-    if layout == "file" and (path.parent / "config.json").is_file():
+    if row is None and (path.parent / "config.json").is_file():
         try:
             config = read_config(path.parent / "config.json")
         except InputError:
@@ -66,15 +55,15 @@ def _ours(path: Path, layout: str, config: dict) -> str | None:
     return ours.get("format") if isinstance(ours, dict) else None
 
 
-def _formats(path: Path, layout: str, entries: list[Entry], config: dict) -> tuple[dict[str, int], str | None, set[str]]:
-    """{format title: weights in it} by the rows the config declares (HF layout), or why they are refused, and the
+def _formats(path: Path, row, entries: list[Entry], config: dict) -> tuple[dict[str, int], str | None, set[str]]:
+    """{format title: weights in it} by the rows the config declares (HF names), or why they are refused, and the
     names of the tensors those weights are made of."""
-    if layout == "mp":
+    if row is not None and row.native_names:
         return {}, None, set()
     root = path if path.is_dir() else path.parent
     try:
         hf_quant = (read_json_object(root / HF_QUANT_CONFIG, HF_QUANT_CONFIG, "re-download it")
-                    if (root / HF_QUANT_CONFIG).is_file() and layout == "hf" else None)
+                    if (root / HF_QUANT_CONFIG).is_file() and row is not None else None)
         rules = declared_rules(config.get("quantization_config"), hf_quant, root / "config.json",
                                root / HF_QUANT_CONFIG)
         tensors = [TensorPlan(n, d, s, source=n) for _, n, d, s, _ in entries]
@@ -86,7 +75,8 @@ def _formats(path: Path, layout: str, entries: list[Entry], config: dict) -> tup
 
 
 def describe(path: Path) -> dict:
-    layout, mp, entries, config = _entries(path)
+    row, mp, entries, config = _entries(path)
+    native = row is not None and row.native_names
     entries.sort(key=lambda e: (e[1], e[0]))
     names = {e[1] for e in entries}
     by_dtype: Counter = Counter()
@@ -101,12 +91,14 @@ def describe(path: Path) -> dict:
         g["shapes"].add(shape)
         g["bytes"] += nbytes
     # FP8 block weights: one scale per weight, `X.weight_scale_inv` in HF files, `Y.scale` in mp files
-    fp8 = _count_leaf(names, FP8_SCALE.hf_leaf) if layout != "mp" else _count_leaf(names, FP8_SCALE.native_leaf)
-    formats, refused, members = _formats(path, layout, entries, config)
-    ours = _ours(path, layout, config)
+    fp8 = _count_leaf(names, FP8_SCALE.native_leaf if native else FP8_SCALE.hf_leaf)
+    formats, refused, members = _formats(path, row, entries, config)
+    per_rank = row is not None and row.per_rank
+    ours = _ours(path, row, config)
     return {
         "path": str(path),
-        "layout": layout,
+        "layout": "file" if row is None else row.name,
+        "layout_title": "safetensors file" if row is None else row.title,
         "mp": mp,
         "files": sorted({e[0] for e in entries}),
         "tensors": len(entries),
@@ -127,6 +119,6 @@ def describe(path: Path) -> dict:
         "groups": [{"pattern": p, "count": g["count"], "dtypes": sorted(g["dtypes"]),
                     "shapes": [list(s) for s in sorted(g["shapes"])], "bytes": g["bytes"]}
                    for p, g in groups.items()],
-        "all": {(f"{f}:{n}" if layout == "mp" else n): {"dtype": d, "shape": list(s), "bytes": b, "file": f}
+        "all": {(f"{f}:{n}" if per_rank else n): {"dtype": d, "shape": list(s), "bytes": b, "file": f}
                 for f, n, d, s, b in entries},
     }

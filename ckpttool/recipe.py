@@ -137,6 +137,8 @@ class Recipe(_Strict):
     them, V4's keeps them: Family.mtp_in_mp)"""
     stages: list[Stage] = Field(min_length=1)
     execution: Execution = Execution()
+    layout: str | None = None
+    """the output's layout by its row's name (ckpttool/layouts: hf, mp, dcp); None: mp with a shard stage, else hf"""
 
     @field_validator("arch")
     @classmethod
@@ -172,7 +174,7 @@ class Recipe(_Strict):
     def spec(self) -> Spec:
         dq, sh, qz = self.stage("dequant"), self.stage("shard"), self.stage("quantize")
         return Spec(dequant=dq is not None, out_dtype=DTYPE_CODES[dq.dtype] if dq else "BF16",
-                    mp=sh.mp if sh else None, arch=self.arch,
+                    mp=sh.mp if sh else None, arch=self.arch, layout=self.layout,
                     keep_mtp=None if self.mtp == "auto" else self.mtp == "keep",
                     quantize=qz.format if qz else None, group_size=qz.group_size if qz else 128)
 
@@ -199,7 +201,7 @@ def preset(name: str, *, dequant: bool = False, quantize: dict | None = None, mp
            keep_mtp: bool | None = None,
            merge_max_shard_size: str | None = None, verify_device: str | None = None,
            verify_prompt: str | None = None, verify_prompt_ids: list[int] | None = None, max_memory: str | None = None, workers: int | None = None, processes: int | None = None,
-           device: str = defaults.DEVICE, max_input_files: int | None = None) -> Recipe:
+           device: str = defaults.DEVICE, max_input_files: int | None = None, layout: str | None = None) -> Recipe:
     """The recipe a command's flags stand for (`ckpttool convert --mp 8` is a dequant + shard recipe)."""
     stages: list[dict] = []
     if max_input_files is not None:  # only said for a hub input; a repo id streams without it too
@@ -225,7 +227,8 @@ def preset(name: str, *, dequant: bool = False, quantize: dict | None = None, mp
     if max_memory:
         execution["max_memory"] = max_memory
     return validate_recipe({"name": name, "mtp": {None: "auto", True: "keep", False: "drop"}[keep_mtp], "stages": stages,
-                            "execution": execution}, f"ckpttool {name}", flags=PRESET_FLAGS)
+                            "execution": execution, **({"layout": layout} if layout else {})},
+                           f"ckpttool {name}", flags=PRESET_FLAGS)
 
 
 BUNDLED = Path(__file__).parent / "recipes"

@@ -237,7 +237,8 @@ def plan_report(src, job: Job, recipe: Recipe, dst: Path | None) -> dict:
         _, processes, workers = layout(plan, ex.device, ex.workers, ex.processes, one_process=streamed,
                                        to_memory=dst is not None and in_memory_fs(existing_ancestor(dst)))
         workers *= processes
-        check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)
+        check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files,
+                           suffix=plan.layout.suffix)
         task_mem = sorted((t.memory() for t in make_tasks(plan, inputs, set(), set())), reverse=True)
     peak = min(budget, sum(task_mem[:workers])) if task_mem else 0
     peak = max(peak, task_mem[0] if task_mem else 0)
@@ -313,7 +314,8 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
                 check_destination(local_src, dst, overwrite=opts.overwrite, resume=opts.resume)  # as the lock found it
             with clock.phase("plan"):
                 plan = job.plan(inputs)
-            check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files)
+            check_output_names([f.name for f in plan.files], plan.copies, source=src, inputs=inputs.files,
+                               suffix=plan.layout.suffix)
             if group.rank == 0:
                 check_outside(dst, inputs.paths() + ([] if streamed else [src / n for n in plan.copies]))
                 complete = already_complete(dst, plan.hash, opts.resume)

@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [  # bottom to top; a module is in the layer of its lon
     {"ckpttool.formats"},  # one row per quantization format
     {"ckpttool.model"},  # torch building blocks shared by the bundled models
     {"ckpttool.families"},  # one folder per model family, and the table of them
-    {"ckpttool.plan"},  # headers -> Plan
+    {"ckpttool.plan", "ckpttool.layouts"},  # headers -> Plan; the layouts (HF, mp, DCP) a plan writes and reads
     {"ckpttool.execute"},  # Plan -> bytes in the staging directory
     {"ckpttool.publish"},  # staging directory -> output
     {"ckpttool.hub", "ckpttool.verify", "ckpttool.describe"},  # download; proving an output; `inspect`

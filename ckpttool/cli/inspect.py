@@ -48,7 +48,8 @@ def inspect(path: Annotated[Path, typer.Argument(help="A .safetensors file or a 
     if json_:
         print(json.dumps(info, indent=2))
         return
-    layout = f"mp{info['mp']} shards" if info["layout"] == "mp" else f"{len(info['files'])} files"
+    # a per-rank layout by its name and ranks (`mp8 shards`, `dcp2 shards`), any other by its files
+    layout = f"{info['layout']}{info['mp']} shards" if info["mp"] else f"{len(info['files'])} files"
     names = f" ({info['names']} names)" if info["names"] != info["tensors"] else ""
     print(f"{info['path']}: {info['tensors']} tensors{names} in {layout}, {info['total_bytes'] / 1e9:.3f} GB"
           + (f", model_type {info['model_type']}" if info["model_type"] else ""))

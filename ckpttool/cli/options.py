@@ -25,6 +25,8 @@ Json = Annotated[bool, typer.Option("--json", help="Print one machine-readable J
 Src = Annotated[Path, typer.Argument(help="Input checkpoint directory (HF layout: *.safetensors + config.json), or a "
                                           "hub repo id (namespace/name) to convert straight from the hub.")]
 Dst = Annotated[Path, typer.Argument(help="Output directory; must be empty or absent (see --overwrite/--resume).")]
+LayoutOpt = Annotated[Optional[str], typer.Option("--layout", help="Output layout: hf, mp or dcp (a torch "
+                                                  "distributed checkpoint; needs torch). Default: mp with --mp N, else hf.")]
 Mp = Annotated[Optional[int], typer.Option("--mp", min=1, help="Model-parallel ranks: write model{i}-mp{N}.safetensors.")]
 Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda: where dequant runs, the same bits on each. auto: the CPU (numpy, "
                                                     "no torch import), unless a GPU is there and the job is big for "

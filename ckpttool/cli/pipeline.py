@@ -19,6 +19,7 @@ from ckpttool.cli.options import (
     Dst,
     Json,
     KeepMtp,
+    LayoutOpt,
     MaxInputFiles,
     MaxMemory,
     Mp,
@@ -171,10 +172,11 @@ def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, hel
           processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
           revision: Revision = None, token: Token = None, overwrite: Overwrite = False, resume: Resume = False,
           dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
-    """HF checkpoint -> model{i}-mp{N}.safetensors shards (FP8 kept unless --dtype bf16).
+    """HF checkpoint (or mp shards of another N) -> model{i}-mp{N}.safetensors shards (FP8 kept unless --dtype bf16).
 
     The reference DeepSeek layout (or the family's own mp layout); FP8 weights stay FP8 with split
-    scales, like the reference convert.py, unless --dtype bf16.
+    scales, like the reference convert.py, unless --dtype bf16. Given ckpttool's mp shards, they are
+    re-cut for N ranks in one pass, the same bytes as merge then shard.
 
     Example: ckpttool shard ./DeepSeek-V3 ./DeepSeek-V3-mp8 --mp 8
     """
@@ -189,26 +191,38 @@ def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mt
             max_memory: MaxMemory = None, workers: Workers = None,
             processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
             revision: Revision = None, token: Token = None, overwrite: Overwrite = False, resume: Resume = False,
-            dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
+            dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False, layout: LayoutOpt = None) -> None:
     """All stages fused in one pass: FP8 HF straight to BF16 mp shards, no intermediate copy.
 
     From a hub repo id the input streams through DST: each file is fetched in the order the
     conversion reads it, verified, converted and deleted, so the disk holds the output and at most
     --max-input-files input files. Files already in the HF cache are read there, in place.
 
+    SRC may be ckpttool's mp shards: `convert MP_DIR DST --mp M` re-cuts them for M ranks in one
+    streaming pass, byte for byte what merge then shard writes (FP8 weights stay FP8: --dtype fp8).
+
+    SRC may be a torch distributed checkpoint (.metadata + *.distcp, the model's config.json beside it):
+    its chunks are assembled per output tensor in the same pass; optimizer state is left out.
+
     Example: ckpttool convert ./DeepSeek-V3 ./DeepSeek-V3-mp8-bf16 --mp 8 --dtype bf16 --verify
 
     Example: ckpttool convert deepseek-ai/DeepSeek-V3 ./v3-mp8 --mp 8 --max-input-files 2
+
+    --layout dcp writes a torch distributed checkpoint (needs torch): --mp N chunks it as N FSDP2 ranks would.
+
+    Example: ckpttool convert ./v3-mp8 ./v3-mp4 --mp 4
+
+    Example: ckpttool convert ./Llama-3-8B ./llama-dcp --layout dcp --mp 8
     """
-    if verify and mp is None:
-        raise RecipeError("--verify loads model-parallel shards", fix="add --mp N")
+    if verify and (mp is None or layout not in (None, "mp")):
+        raise RecipeError("--verify loads model-parallel shards", fix="add --mp N (and no --layout)")
     if (prompt is not None or prompt_ids is not None) and not verify:
         raise RecipeError("--prompt and --prompt-ids are what --verify generates from", fix="add --verify")
     if verify:
         require_torch("convert --verify", "verify")
     recipe = _convert_recipe("convert", mp, dtype, keep_mtp, device if verify else None, max_memory, workers, device,
                              max_input_files, processes, prompt=prompt,
-                             prompt_ids=None if prompt_ids is None else parse_ids(prompt_ids))
+                             prompt_ids=None if prompt_ids is None else parse_ids(prompt_ids), layout=layout)
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
              hub_input=True, revision=revision, token=token)
 
@@ -216,11 +230,11 @@ def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mt
 def _convert_recipe(name: str, mp: int | None, dtype: str | None, keep_mtp: bool | None, verify_device: str | None,
                     max_memory: str | None, workers: int | None, device: str, max_input_files: int | None,
                     processes: int | None = None, *, prompt: str | None = None,
-                    prompt_ids: list[int] | None = None) -> Recipe:
+                    prompt_ids: list[int] | None = None, layout: str | None = None) -> Recipe:
     """convert's flags as a recipe; `plan` takes the same flags and defaults, so it previews convert."""
     return preset(name, dequant=_dequant_flag(dtype, True), mp=mp, keep_mtp=keep_mtp, verify_device=verify_device,
                   verify_prompt=prompt, verify_prompt_ids=prompt_ids, max_memory=max_memory, workers=workers,
-                  processes=processes, device=device, max_input_files=max_input_files)
+                  processes=processes, device=device, max_input_files=max_input_files, layout=layout)
 
 
 def merge(src: Annotated[Path, typer.Argument(help="Directory of model{i}-mp{N}.safetensors shards and config.json.")],
@@ -268,7 +282,7 @@ def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output di
              "--recipe", help="Plan a recipe (a file or a bundled recipe's name) instead of flags.")] = None,
          set_: SetOpt = None, max_memory: MaxMemory = None, workers: Workers = None, processes: Processes = None,
          max_input_files: MaxInputFiles = None, revision: Revision = None, token: Token = None,
-         quiet: Quiet = False, json_: Json = False) -> None:
+         quiet: Quiet = False, json_: Json = False, layout: LayoutOpt = None) -> None:
     """Print what `convert` with the same flags would write, from headers alone.
 
     The same flags and defaults as convert (BF16 unless --dtype fp8; `convert ... --dry-run` prints the
@@ -284,6 +298,6 @@ def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output di
         recipe = load_recipe(recipe_path, set_ or [])
     else:
         recipe = _convert_recipe("plan", mp, dtype, keep_mtp, None, max_memory, workers, defaults.DEVICE,
-                                 max_input_files, processes)
+                                 max_input_files, processes, layout=layout)
     _execute(recipe, src, dst, quiet=quiet, as_json=json_, dry_run=True, hub_input=True, revision=revision,
              token=token)

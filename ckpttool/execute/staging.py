@@ -1,7 +1,6 @@
-"""The staging directory DST/.ckpttool-partial: output files created at their final size, tensors
-pwritten at their planned offsets, and a journal of durable work for --resume. publish/ turns a
-finished one into the output.
-"""
+"""The staging directory DST/.ckpttool-partial: output files created at their final size (header and a container's
+framing written), tensors pwritten at their planned offsets, and a journal of durable work for --resume. publish/
+turns a finished one into the output."""
 
 from __future__ import annotations
 
@@ -169,8 +168,7 @@ class Staging:
                     self.done.add((entry["f"], entry["t"]))
 
     def open_files(self, files: set[str] | None = None) -> None:
-        """Create (or, resuming, reopen) the output files at their final size; `files` limits this
-        to one rank's share."""
+        """Create (or, resuming, reopen) the output files at their final size; `files`: one rank's share."""
         for f in self.plan.files:
             if f.name in self.published or (files is not None and f.name not in files):
                 continue
@@ -193,15 +191,18 @@ class Staging:
             try:
                 if fresh:
                     os.ftruncate(fd, 0)
-                    pwrite_all(fd, f.header, 0)
+                    for at, data in ((0, f.header), *f.fixed):  # a container's framing (DCP) in offset order
+                        pwrite_all(fd, data, at)
                     os.ftruncate(fd, f.size)
             except OSError as exc:
                 os.close(fd)
                 raise disk_error(exc, path) from None
             self.fds[f.name] = fd
             if not any(fn == f.name for fn, _ in self.done):  # nothing written by an earlier run
-                self._hashers[f.name] = PrefixHasher(path, f.size, self._hash_pool, written_prefix=len(f.header),
-                                                     timings=self.timings)
+                hasher = self._hashers[f.name] = PrefixHasher(path, f.size, self._hash_pool,
+                                                              written_prefix=len(f.header), timings=self.timings)
+                for at, data in f.fixed:
+                    hasher.written(at, at + len(data))
 
     def pwrite(self, file: str, data, offset: int) -> None:
         """Write `data` (final bytes) at `offset`; the file's running hash takes it from memory when

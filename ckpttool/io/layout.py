@@ -59,7 +59,8 @@ def check_name(name: object, *, source: object, what: str = "file name", subdirs
     return name
 
 
-def check_output_names(files: list[str], copies: list[str], *, source: object, inputs: object = ()) -> None:
+def check_output_names(files: list[str], copies: list[str], *, source: object, inputs: object = (),
+                       suffix: str = OUTPUT_SUFFIX) -> None:
     """The names a plan will write into DST: plain `*.safetensors` names (so none can be our journal,
     plan, digest or temp files), unique, and none a name of ours or a file copied from SRC; and no
     input shard (`inputs`) copied as if it were a side file."""
@@ -68,9 +69,9 @@ def check_output_names(files: list[str], copies: list[str], *, source: object, i
     seen: set[str] = set()
     for name in files:
         check_name(name, source=source, what="output file", fix=fix)
-        if not name.endswith(OUTPUT_SUFFIX) or name in OWN_NAMES or name.startswith(".") or name in seen:
+        if not name.endswith(suffix) or name in OWN_NAMES or name.startswith(".") or name in seen:
             raise InputError(f"output file {printable(name)!r} would collide with another output or a file "
-                             "ckpttool writes (outputs must be distinct plain *.safetensors names)",
+                             f"ckpttool writes (outputs must be distinct plain *{suffix} names)",
                              file=source, fix=fix)
         seen.add(name)
     for name in copies:

@@ -12,13 +12,14 @@ from ckpttool.families.base import unstack_experts
 from ckpttool.families.table import family_for
 from ckpttool.formats import CKPTTOOL_QUANTIZATION, HF_QUANT_CONFIG, declared_rules
 from ckpttool.io.checkpoint import Checkpoint, ShardFiles
-from ckpttool.io.layout import mp_file
+from ckpttool.layouts.hf import HF
+from ckpttool.layouts.table import of_directory, output_layout
 from ckpttool.plan import dequant as dequant_stage
 from ckpttool.plan import quantize as quantize_stage
 from ckpttool.plan import repack as repack_stage
-from ckpttool.plan.rewrite import files_to_copy, floating_dtype, hf_index, rewrite_config
-from ckpttool.plan.shard import shard
-from ckpttool.plan.types import Plan, TensorPlan, layout
+from ckpttool.plan.assemble import assemble
+from ckpttool.plan.rewrite import files_to_copy, floating_dtype, rewrite_config
+from ckpttool.plan.types import Plan, TensorPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +28,8 @@ class Spec:
 
     dequant: bool = False
     out_dtype: str = "BF16"
-    mp: int | None = None  # None: HF layout (input file names, index); N: model{i}-mp{N}.safetensors
+    mp: int | None = None  # ranks the output is cut for (--mp N); None: no model-parallel cut
+    layout: str | None = None  # the output's layout row by name (layouts/table.py); None: mp with `mp`, else HF
     keep_mtp: bool | None = False  # None: as the layout's reference has them (HF: kept; mp: Family.mtp_in_mp)
     arch: str = "auto"  # a recipe may pin the model_type it was written for
     quantize: str | None = None  # a row of formats/outputs.py (w4a16, fp8-block, ...): quantize linear weights
@@ -36,8 +38,9 @@ class Spec:
     label = "converting"
 
     def open(self, src: Path) -> Checkpoint:
-        """The inputs this job reads (headers only, until the executor reads tensors)."""
-        return Checkpoint(src)
+        """The inputs this job reads (headers only, until the executor reads tensors), as the layout the input
+        directory is in reads them: under their HF names."""
+        return of_directory(src).open(Path(src))
 
     def plan(self, ckpt: Checkpoint) -> Plan:
         return make_plan(ckpt, self)
@@ -74,13 +77,15 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
             tensors, rules, quantize_stage.target_of(spec.quantize, spec.group_size), ckpt.config, config_path)
     if not spec.dequant and not (repacked and spec.mp is None):  # a repack's HF output keeps what it does not repack
         dequant_stage.refuse_kept(tensors, rules, config_path)
-    notes = [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
+    notes = [*getattr(ckpt, "notes", ())]  # how the input was read (mp ranks, a DCP's left-out state)
+    notes += [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
+    out = output_layout(spec.layout, spec.mp)
     if passed := sum(family.keys(cfg).passes_through(t.name) for t in tensors):
         notes.append(f"{passed} tensors outside the text model (a vision tower, a projector) passed through "
-                     "unchanged" + (", whole on rank 0" if spec.mp else ""))
+                     "unchanged" + (", whole on rank 0" if out.native_names else ""))
 
     mtp = [t for t in tensors if family.is_mtp_tensor(cfg, t.name)]
-    keep_mtp = spec.keep_mtp if spec.keep_mtp is not None else spec.mp is None or family.mtp_in_mp
+    keep_mtp = spec.keep_mtp if spec.keep_mtp is not None else out.keeps_mtp(family)
     if mtp and not keep_mtp:
         dropped = {t.name for t in mtp}
         tensors = [t for t in tensors if t.name not in dropped]
@@ -95,6 +100,9 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
 
     if spec.quantize is not None:
         quantize_stage.check_mp(spec.quantize, spec.group_size, spec.mp)
+        if out.quantize is not None and spec.quantize not in out.quantize:
+            raise PlanError(f"{spec.quantize} output is not written in the {out.title} layout",
+                            fix=f"use {' or '.join(out.quantize)}")
         unquantized = tensors
         tensors = quantize_stage.quantize(tensors, family, cfg, spec.quantize, spec.group_size,
                                           {t.name: str(ckpt.root / t.file) for t in tensors}, repacked)
@@ -103,16 +111,10 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
                      (f", repacked {repacked} exactly" if repacked else ""))
 
     input_order = sorted(ckpt.files)
-    if spec.mp is None:
-        files = layout(tensors, input_order)
-        index = hf_index(files, family.buffers)
-        fmt = "hf"
-    else:
-        files_of = {t.name: str(ckpt.root / t.file) for t in tensors}
-        tensors = shard([t.with_(file=None) for t in tensors], family, cfg, spec.mp, files_of)
-        files = layout(tensors, [mp_file(r, spec.mp) for r in range(spec.mp)])
-        index = None
-        fmt = "mp"
+    files_of = {t.name: str(ckpt.root / t.file) for t in tensors}
+    tensors = out.place(tensors, family, cfg, spec.mp, files_of, input_order if of_input(ckpt) is HF else None)
+    tensors = assemble(tensors, ckpt)  # an input stored in boxes (mp ranks, DCP chunks): gathered per tensor
+    files = out.lay_out(tensors, input_order)
 
     config = rewrite_config(ckpt.config, dequantized=spec.dequant, dtype=floating_dtype(tensors),
                             mtp_key=family.mtp_config_key, mtp_dropped=bool(mtp) and not keep_mtp,
@@ -122,8 +124,14 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
                                                   repacked_quant)
     copies = [c for c in files_to_copy(ckpt.root, ckpt.top_level_files())
               if not (spec.dequant and c == HF_QUANT_CONFIG) and c not in not_copied]
-    return Plan(src=str(ckpt.root), files=files, inputs=input_fingerprints(ckpt), format=fmt, index=index,
-                config=config, copies=copies, notes=notes)
+    return Plan(src=str(ckpt.root), files=files, inputs=input_fingerprints(ckpt), layout=out,
+                index=out.index(files, family), config=config, copies=copies, notes=notes,
+                extras=out.extras(files, tensors))
+
+
+def of_input(ckpt: ShardFiles):
+    """The layout row an opened input was read in (a checkpoint of another layout says so; HF otherwise)."""
+    return getattr(ckpt, "layout", HF)
 
 
 def _declared_rules(ckpt: Checkpoint):

@@ -12,7 +12,7 @@ from ckpttool.plan.types import OutFile, TensorPlan
 
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 _HANDLED = {"config.json", INDEX_NAME, MANIFEST}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".distcp")
 
 
 def floating_dtype(tensors: list[TensorPlan]) -> str | None:

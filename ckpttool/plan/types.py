@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ckpttool.version import __version__
 from ckpttool.dtypes import itemsize
+from ckpttool.layouts.row import Layout
 
 HEADER_ALIGN = 8
 
@@ -39,6 +40,9 @@ class TensorPlan:
     parts: tuple[tuple[str, str], ...] = ()
     """merge: (input file, tensor) pieces, concatenated along `concat_dim`, that make this tensor"""
     concat_dim: int = 0
+    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
+    """instead of `concat_dim`, for a tensor assembled from boxes (mp ranks, DCP chunks: plan/assemble.py): for each
+    part, where its box starts in that stored tensor, the box's size, and where the box lands in this tensor"""
 
     @property
     def nbytes(self) -> int:
@@ -60,10 +64,13 @@ class OutFile:
     name: str
     header: bytes  # the 8-byte length prefix + JSON header, padded
     tensors: list[PlacedTensor]
+    fixed: tuple[tuple[int, bytes], ...] = ()
+    """a container's own bytes between and after the tensors (DCP: each chunk's zip framing), at their offsets,
+    written with the header when the file is created"""
 
     @property
     def size(self) -> int:
-        return len(self.header) + sum(p.end - p.start for p in self.tensors)
+        return len(self.header) + sum(p.end - p.start for p in self.tensors) + sum(len(b) for _, b in self.fixed)
 
 
 @dataclass(slots=True)
@@ -74,11 +81,19 @@ class Plan:
     files: list[OutFile]
     inputs: dict[str, dict]
     """input file name -> {"size": bytes, "header_sha256": ...}: resume refuses changed inputs"""
-    format: str  # "hf" or "mp"
+    layout: Layout
+    """the output's layout row (layouts/table.py): how its files and tensors are named and cut"""
     index: dict | None = None  # HF model.safetensors.index.json contents
     config: dict | None = None  # rewritten config.json
     copies: list[str] = field(default_factory=list)  # other files copied from SRC unchanged
     notes: list[str] = field(default_factory=list)  # what the stages decided (dropped MTP, ...)
+    extras: dict[str, bytes] = field(default_factory=dict)
+    """other files the layout writes beside the tensor files (DCP's `.metadata`), by name: published with the index"""
+
+    @property
+    def format(self) -> str:
+        """The output layout's name (`hf`, `mp`, `dcp`), as plans, reports and manifests say it."""
+        return self.layout.name
 
     @property
     def bytes_to_write(self) -> int:
@@ -96,13 +111,18 @@ class Plan:
             "inputs": self.inputs,
             "files": [
                 {"name": f.name, "size": f.size, "header_bytes": len(f.header),
-                 "tensors": [dict(_tensor_json(p.tensor), start=p.start, end=p.end) for p in f.tensors]}
+                 "tensors": [dict(_tensor_json(p.tensor), start=p.start, end=p.end) for p in f.tensors],
+                 # only containers with framing of their own have the key: other plans' hashes read as before
+                 **({"fixed": [[at, hashlib.sha256(b).hexdigest()] for at, b in f.fixed]} if f.fixed else {})}
                 for f in self.files
             ],
             "index": self.index,
             "config": self.config,
             "copies": self.copies,
             "notes": self.notes,
+            # only layouts that write extras have the key: other plans (and their hashes) read as before
+            **({"extras": {n: hashlib.sha256(b).hexdigest() for n, b in sorted(self.extras.items())}}
+               if self.extras else {}),
         }
 
     @property
@@ -116,6 +136,8 @@ def _tensor_json(t: TensorPlan) -> dict:
     body = asdict(t)
     if not t.parts:  # only merge plans have parts: other plans (and their hashes) read as before
         del body["parts"], body["concat_dim"]
+    if not t.boxes:  # only plans from inputs stored in boxes have them
+        del body["boxes"]
     return body
 
 

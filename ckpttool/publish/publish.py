@@ -28,7 +28,7 @@ def publish(staging: Staging, src: Path, *, overwrite: bool, hash_workers: int =
     """Move finished files into place, then config/index/copies, then the manifest, last. Nothing is put
     over a file someone else created in DST during the run (`_may_replace`)."""
     plan, dst = staging.plan, staging.dst
-    check_output_names([f.name for f in plan.files], plan.copies, source=dst)
+    check_output_names([f.name for f in plan.files], plan.copies, source=dst, suffix=plan.layout.suffix)
     digests = staging.saved_digests()  # hashed while written, by this or another rank
     for f in plan.files:
         if f.name in staging.published:
@@ -51,6 +51,9 @@ def publish(staging: Staging, src: Path, *, overwrite: bool, hash_workers: int =
     if plan.index is not None:
         _write(staging, INDEX_NAME, (json.dumps(plan.index, indent=2) + "\n").encode())
         aux.append(INDEX_NAME)
+    for name, data in sorted(plan.extras.items()):  # a layout's own side files (a DCP's .metadata)
+        _write(staging, name, data)
+        aux.append(name)
     for name in plan.copies:
         faults.point("publish")
         source = Path(src) / name

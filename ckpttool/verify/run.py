@@ -4,8 +4,7 @@ and, with a reference HF checkpoint, compares its logits to the same model run u
 
 Launch: `run_verify` starts the ranks itself (forked from a forkserver; gloo on CPU, NCCL on CUDA),
 hosting the rendezvous store on a kernel-chosen port, so there is no port race; under torchrun it
-runs as the current rank.
-Either way each rank sees the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+runs as the current rank. Either way each rank sees the torchrun environment (RANK, WORLD_SIZE, ...).
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ from ckpttool.execute.distributed import launched_by_torchrun
 from ckpttool.families.base import Verifier
 from ckpttool.families.table import family_for
 from ckpttool.io.checkpoint import read_config, read_json_object
-from ckpttool.io.layout import find_mp, mp_file
+from ckpttool.io.layout import mp_file
+from ckpttool.layouts.table import verify_ranks
 from ckpttool.model.generate import greedy_generate, teacher_forced_logits
 from ckpttool.model.parallel import ParallelContext
 from ckpttool.verify.defaults import DEFAULT_PROMPT, DEFAULT_TOLERANCE, DTYPES
@@ -112,7 +112,7 @@ def run_verify(directory: Path | str, *, reference: Path | str | None = None, pr
     Ranks are started from a multiprocessing forkserver, so a script calling this must guard its
     top level with `if __name__ == "__main__":` (as with torch.multiprocessing.spawn)."""
     directory = Path(directory)
-    mp = find_mp(directory, mp)
+    mp = verify_ranks(directory, mp)
     config_path = directory / "config.json"
     family_for(read_config(config_path, missing_fix=_CONFIG_FIX), config_path)  # before any rank starts
     if device == "auto":  # one GPU per rank when there are enough, else CPU
