@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckpttool.errors import InputError
-from ckpttool.io import checkpoint
+from ckpttool.io import shards
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.io.safetensors import MAX_TENSORS_PER_FILE, read_header
 
@@ -69,7 +69,7 @@ def test_bulk_that_is_not_tensors_is_refused_unparsed(tmp_path):
 def test_a_checkpoint_is_bounded_over_all_its_files(tmp_path, monkeypatch):
     """Files each under the per-file cap add up: the checkpoint stops at the file that crosses MAX_TENSORS
     (lowered here so that the test stays small)."""
-    monkeypatch.setattr(checkpoint, "MAX_TENSORS", 1000)
+    monkeypatch.setattr(shards, "MAX_TENSORS", 1000)  # its home since io/shards.py (ShardFiles counts them)
     for i in range(3):
         tiny_tensors(tmp_path / f"model-{i}.safetensors", 400, prefix=f"f{i}")
     with pytest.raises(InputError, match="over 1000 tensors") as caught:
