@@ -39,12 +39,13 @@ if how.get("optim"):
     state["step"] = 7
 dcp.save(state, checkpoint_id=dst)
 dist.destroy_process_group()
+os._exit(0)  # done: a rank aborting in C++ teardown ("terminate called without an active exception") is not a failure
 '''
 
 
 def torchrun(args: list[str], world: int) -> None:
     """`args` run as `world` gloo ranks by torchrun. A launch whose rank died by SIGABRT before doing anything
-    (seen twice in about a dozen launches on the loaded 2-core box, cause not found, not reproduced when run alone) is run
+    (seen a few times on the loaded 2-core box: "terminate called without an active exception" in C++ teardown after the work, which the ranks now skip with os._exit) is run
     once more; any other failure, or a second one, fails the test with both ends of the ranks' output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
