@@ -82,6 +82,7 @@ class Request:
     quiet: bool = False  # no progress output (a report is still returned)
     revision: str | None = None  # a repo id's branch, tag or commit (--revision); over the recipe's download.revision
     token: str | None = None  # the hub token (--token); never in a recipe, a plan or a report
+    config: Path | None = None  # the model's config.json to read instead of the one beside SRC's tensors (--config)
 
 
 NUMPY_LOOPS = ("dequantized on the CPU by numpy's loops, about 3x slower than compiled ones: no C compiler was "
@@ -153,9 +154,11 @@ def run(request: Request) -> RunReport | dict:
     """Do what the request asks: with dry_run the plan report (a dict), else convert, publish and
     (with a verify stage) verify, returning the run's report."""
     recipe = request.recipe
-    job = recipe.job()
+    job = recipe.job(request.config)
     src = resolve_input(recipe, request.src, quiet=request.quiet, stream=isinstance(job, Spec),
                         revision=request.revision, token=request.token) if request.hub_input else Path(request.src)
+    if request.config is not None and not isinstance(src, Path):
+        raise RecipeError("--config is read for a local input; a hub repo's config.json is its own", fix="drop --config")
     if request.dry_run:
         return plan_report(src, job, recipe, request.dst)
     if request.dst is None:

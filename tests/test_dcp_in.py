@@ -205,7 +205,32 @@ def test_a_missing_config_says_where_to_put_it(dcps, tmp_path):
     dst = tmp_path / "dcp"
     shutil.copytree(dcps["llama"], dst)
     (dst / "config.json").unlink()
-    _refused(dst, tmp_path, "config.json is missing", "beside .metadata")
+    _refused(dst, tmp_path, "config.json is missing", "beside .metadata", "--config")
+
+
+def test_a_config_from_elsewhere_is_read_with_config(dcps, tmp_path):
+    """A trainer's DCP directory holds no config.json: --config names the model's, and convert, shard and plan read
+    it as if it were beside .metadata (the same bytes); merge and a hub input refuse the flag."""
+    dst = tmp_path / "dcp"
+    shutil.copytree(dcps["llama"], dst)
+    (dst / "config.json").rename(tmp_path / "llama-config.json")
+    run_cli("convert", dcps["llama"], tmp_path / "beside", "--mp", 2, "--quiet")
+    run_cli("convert", dst, tmp_path / "given", "--mp", 2, "--quiet", "--config", tmp_path / "llama-config.json")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "given").iterdir()} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "beside").iterdir()}
+    assert run_cli("plan", dst, "--config", tmp_path / "llama-config.json").returncode == 0
+    hf = tmp_path / "hf-without-config"  # an HF directory reads it the same way
+    shutil.copytree(dcps["hf"]["llama"], hf)
+    (hf / "config.json").unlink()
+    run_cli("convert", hf, tmp_path / "hf-given", "--mp", 2, "--quiet", "--config", tmp_path / "llama-config.json")
+    for name in ("model0-mp2.safetensors", "model1-mp2.safetensors", "config.json"):  # its side files differ
+        assert (tmp_path / "hf-given" / name).read_bytes() == (tmp_path / "beside" / name).read_bytes(), name
+    proc = run_cli("merge", tmp_path / "given", tmp_path / "m", "--config", tmp_path / "llama-config.json",
+                   check=False)
+    assert proc.returncode == 2 and not (tmp_path / "m").exists(), proc.stderr  # merge has no --config
+    proc = run_cli("convert", dst, tmp_path / "bad", "--config", tmp_path / "missing.json", check=False)
+    assert proc.returncode == 1 and "config.json is missing" in proc.stderr and "missing.json" in proc.stderr
+    assert not (tmp_path / "bad").exists()
 
 
 def test_manifest_is_written(dcps, tmp_path):
