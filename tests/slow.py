@@ -31,7 +31,7 @@ SLOW: tuple[tuple[str, tuple[str, ...]], ...] = (
         "test_full_disk.py::*", "test_dst_changed_during_run.py::*", "test_stray_torchrun_env.py::*",
         "test_forked.py::*killed*", "test_one_spine.py::test_merge_killed_anywhere*")),
     ("torchrun: real process groups of several ranks", (
-        "test_distributed_convert.py::*", "test_one_spine.py::*torchrun*")),
+        "test_distributed_convert.py::*", "test_one_spine.py::*torchrun*", "test_dcp_in.py::*torchrun*")),
     ("fuzzing and parser bounds: hypothesis, a million tensors", (
         "test_fuzz_parser.py::*", "test_fuzz_inputs.py::*", "test_header_bounds.py::*")),
     ("packaging: an sdist and wheels built and installed, pytest run inside them", (

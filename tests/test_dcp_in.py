@@ -83,6 +83,27 @@ def test_dcp_to_mp_is_the_hf_checkpoints_shards(dcps, tmp_path, which):
         assert (tmp_path / "dcp-mp" / name).read_bytes() == (tmp_path / "hf-mp" / name).read_bytes(), name
 
 
+def test_torchrun_ranks_and_dequant_shard_presets_read_a_dcp(dcps, tmp_path):
+    """Under torchrun each rank assembles its share of the files from the chunks; `shard` and `dequant` (presets of
+    the same pipeline) read a DCP as convert does: the bytes of one process's convert."""
+    import os
+    import subprocess
+    import sys
+
+    run_cli("convert", dcps["qwen2-3"], tmp_path / "one", "--mp", 2, "--quiet")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ckpttool",
+         "convert", str(dcps["qwen2-3"]), str(tmp_path / "ranks"), "--mp", "2", "--quiet", "--workers", "1"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_cli("shard", dcps["qwen2-3"], tmp_path / "shard", "--mp", 2, "--dtype", "bf16", "--quiet")
+    for out in ("ranks", "shard"):
+        assert {p.name: p.read_bytes() for p in (tmp_path / out).iterdir()} == \
+            {p.name: p.read_bytes() for p in (tmp_path / "one").iterdir()}, out
+    run_cli("dequant", dcps["qwen2-3"], tmp_path / "dequant", "--quiet")
+    _same_bytes(_tensors(tmp_path / "dequant"), _tensors(dcps["hf"]["qwen2"]))
+
+
 def test_inspect_lists_every_stored_chunk(dcps):
     import json
 
