@@ -3,8 +3,8 @@
 # process tree on all of them, RAM to RAM, the same bytes every time. Run from a checkout's root on a device machine:
 #   SRC=/dev/shm/v3syn NODES="2 4" RPN="1 4" ROUNDS=2 bash bench/nodes.sh
 # For each N in NODES and R in RPN: N nodes of cores/N cores each, R torchrun ranks per node, each rank forking as one
-# machine does; VARIANTS adds runs with other convert flags (e.g. VARIANTS="--processes 1|--workers 8"); then one
-# process tree on every core. Prints one line of JSON per run: wall seconds (torchrun's start and torch's import
+# machine does; VARIANTS adds runs with other convert flags (e.g. VARIANTS="--processes 1|--workers 8"); the same N
+# nodes meeting through CKPTTOOL_NODES, without torchrun (SOCKETS=0 leaves them out); then one process tree on every core. Prints one line of JSON per run: wall seconds (torchrun's start and torch's import
 # included), rank 0's phases and every rank's timeline from its --json report, and the outputs' digest.
 set -u
 SRC=${SRC:-/dev/shm/v3syn}; DST=${DST:-/dev/shm/nodes-out}; ROUNDS=${ROUNDS:-3}; NODES=${NODES:-2}; RPN=${RPN:-1}
@@ -48,11 +48,24 @@ run_nodes() {  # N simulated nodes of R ranks each; the rest: extra convert args
   [ $rc = 0 ] || { echo "node run failed"; tail -5 /tmp/node*.err; }
   echo "{\"run\": \"nodes\", \"nodes\": $n, \"ranks_per_node\": $r, \"cores_per_node\": $per, \"args\": \"$*\", \"wall_s\": $s, \"digest\": \"$(digest "$DST")\", \"report\": $(reports "$LOGS")}"
 }
+run_sockets() {  # N simulated nodes meeting through CKPTTOOL_NODES (no torchrun, no torch); the rest: extra args
+  local n=$1; shift; rm -rf "$DST" "$LOGS"; mkdir -p "$LOGS"; local per=$((CORES / n)); local t=$(now); local pids=()
+  for ((i = 0; i < n; i++)); do
+    CKPTTOOL_NODES=127.0.0.1:$PORT,$n,$i taskset -c $((i * per))-$(((i + 1) * per - 1)) \
+      python3 -m ckpttool convert "$SRC" "$DST" --mp 8 --quiet --json "$@" > "$LOGS/node$i.json" 2> /tmp/node$i.err &
+    pids+=($!)
+  done
+  local rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  local s=$(since "$t"); PORT=$((PORT + 1))
+  [ $rc = 0 ] || { echo "node run failed"; tail -5 /tmp/node*.err; }
+  echo "{\"run\": \"sockets\", \"nodes\": $n, \"cores_per_node\": $per, \"args\": \"$*\", \"wall_s\": $s, \"digest\": \"$(digest "$DST")\", \"report\": $(reports "$LOGS")}"
+}
 run_tree  # warm-up: the page cache and the kernels, not counted
 for ((round = 1; round <= ROUNDS; round++)); do
   run_tree
   for n in $NODES; do
     for r in $RPN; do run_nodes "$n" "$r"; done
+    [ "${SOCKETS:-1}" = 0 ] || run_sockets "$n"
     IFS='|' read -ra extra <<< "$VARIANTS"
     for v in "${extra[@]}"; do run_nodes "$n" 1 $v; done
   done
