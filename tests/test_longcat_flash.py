@@ -57,7 +57,9 @@ def longcat_hf(tmp_path_factory) -> dict:
     hf = build_hf("longcat_flash", root / "transformers", spec=TINY)
     published = _published(hf, root / "hub")
     oracle = greedy_oracle(hf)
-    return {"transformers": (hf, *oracle), "hub": (published, *oracle)}
+    stacked = root / "stacked"  # transformers' own form: experts stacked, zero-expert slots in gate_up_proj
+    transformers.AutoModelForCausalLM.from_pretrained(hf).save_pretrained(stacked, save_original_format=False)
+    return {"transformers": (hf, *oracle), "hub": (published, *oracle), "stacked": (stacked, *oracle)}
 
 
 def _equal_files(a, b) -> None:
@@ -183,3 +185,36 @@ def test_mp_that_cuts_a_head_or_an_expert_range_is_refused(longcat_hf, tmp_path)
 def test_what_ckpttools_model_does_not_build_is_refused_by_name(longcat_hf, extra, message):
     with pytest.raises(InputError, match=message):
         spec.LongcatFlashConfig.from_dict({**_config(longcat_hf["hub"][0]), **extra})
+
+
+def test_transformers_own_stacked_form_reads_as_its_per_expert_spelling(longcat_hf, tmp_path):
+    """save_original_format=False: `gate_up_proj` [8 routed + 4 zero, 2I, H] beside `down_proj` [8, H, I]. It
+    plans, shards at mp 1, 2 and 4 to the very tensors the per-expert spelling gives, and merges back to that
+    spelling byte for byte."""
+    stacked, per_expert = longcat_hf["stacked"][0], longcat_hf["transformers"][0]
+    saved = load_file(str(stacked / "model.safetensors"))
+    assert saved["model.layers.1.mlp.experts.gate_up_proj"].shape == (12, 64, 64)
+    assert saved["model.layers.1.mlp.experts.down_proj"].shape == (8, 64, 32)
+    assert json.loads(run_cli("inspect", stacked, "--json").stdout)["model_type"] == "longcat_flash"
+    for mp in (1, 2, 4):
+        run_cli("shard", stacked, tmp_path / f"a{mp}", "--mp", mp, "--quiet")
+        run_cli("shard", per_expert, tmp_path / f"b{mp}", "--mp", mp, "--quiet")
+        a, b = load_dir(tmp_path / f"a{mp}"), load_dir(tmp_path / f"b{mp}")
+        assert a.keys() == b.keys() and all(a[f].keys() == b[f].keys() for f in a), mp
+        for f in a:
+            for n, t in a[f].items():
+                assert t.dtype == b[f][n].dtype and torch.equal(t, b[f][n]), (mp, f, n)
+    run_cli("merge", tmp_path / "a4", tmp_path / "hf", "--quiet")
+    _equal_files(per_expert / "model.safetensors", tmp_path / "hf" / "model.safetensors")
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_the_stacked_form_verifies_against_itself(longcat_hf, tmp_path, mp):
+    """transformers loads its own form: the oracle, and the reference each loaded weight is compared with."""
+    stacked, ids, logits = longcat_hf["stacked"]
+    run_cli("shard", stacked, tmp_path / "mp", "--mp", mp, "--quiet")
+    report = run_verify(tmp_path / "mp", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu",
+                        reference=stacked)
+    rendered = report.render(tmp_path / "mp")
+    assert report.ok and report.generated_ids == ids, rendered
+    assert "LongcatFlashForCausalLM" in rendered and report.checks["weights"].ok, rendered

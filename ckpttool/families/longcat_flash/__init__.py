@@ -25,5 +25,6 @@ FAMILY = Family(
     check_mp=spec.check_mp,
     verifier=_verifier,
     spelled=spec.spelled,
+    stacked_experts=spec.stacked_experts,
     buffers=("e_score_correction_bias",),  # a registered buffer in transformers' router
 )

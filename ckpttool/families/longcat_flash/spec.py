@@ -10,7 +10,8 @@ the rank owning a zero expert adds its identity term. They hold no weights in th
 spelling); transformers 5.24's save_pretrained writes a gate and an up projection for each of them (its stacked
 `gate_up_proj` has a block per expert, zero experts included; no computation reads them): that spelling carries
 them to their owning rank under the routed experts' names, so merge writes them back byte for byte. The tensor
-names tell the two apart (`spelled`); config.json does not.
+names tell the two apart (`spelled`); config.json does not. transformers' own stacked form
+(save_original_format=False) is read as its per-expert spelling (`stacked_experts`); merge writes that.
 
 Names: `layers.{layer}.attn.{sub}.<the HF leaf>`, `.attention_norm.{sub}`, `.ffn_norm.{sub}`, `.mlps.{sub}.w1/w2/w3`,
 `.moe.gate` (router), `.moe.gate.bias` (correction bias), `.moe.experts.{expert}.w1/w2/w3`; `tok_embeddings`,
@@ -150,13 +151,22 @@ class LongcatFlashConfig:
 
 def spelled(cfg: LongcatFlashConfig, names) -> LongcatFlashConfig:
     """The spelling the tensor names use: transformers' save_pretrained holds the first zero expert's gate
-    projection (HF names: a checkpoint; mp names: shards)."""
+    projection (HF names: a checkpoint; mp names: shards), or, in its own stacked form, `gate_up_proj` with a
+    slot for every zero expert (`stacked_experts`)."""
     if not cfg.zero_expert_num:
         return cfg
     e = cfg.n_routed_experts
     names = set(names)
-    saved = f"model.layers.0.mlp.experts.{e}.gate_proj.weight" in names or f"layers.0.moe.experts.{e}.w1.weight" in names
+    saved = {f"model.layers.0.mlp.experts.{e}.gate_proj.weight", f"layers.0.moe.experts.{e}.w1.weight",
+             "model.layers.0.mlp.experts.gate_up_proj"} & names
     return replace(cfg, spelling="transformers" if saved else "hub")
+
+
+def stacked_experts(cfg: LongcatFlashConfig) -> dict[str, int]:
+    """transformers' own form (save_original_format=False, as LongcatFlashExperts holds them): `gate_up_proj`
+    [routed + zero, 2I, H], a gate/up slot for every zero expert too, beside `down_proj` [routed, H, I]; read
+    one by one as the transformers spelling's per-expert tensors (families.base.unstack_experts)."""
+    return {"gate_up_proj": cfg.num_experts, "down_proj": cfg.n_routed_experts}
 
 
 def hf_tensor_shapes(cfg: LongcatFlashConfig, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:

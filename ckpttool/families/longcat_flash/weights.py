@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ckpttool.families.base import Verifier, rank_slice
+from ckpttool.families.base import Verifier, rank_slice, unstack_experts
 from ckpttool.families.longcat_flash.model import LongcatFlashArgs, LongcatFlashTransformer
-from ckpttool.families.longcat_flash.spec import KEY_MAP, hf_tensor_shapes, spelled
+from ckpttool.families.longcat_flash.spec import KEY_MAP, hf_tensor_shapes, spelled, stacked_experts
 from ckpttool.io.checkpoint import Checkpoint
 from ckpttool.model.loading import check_tensors, load_mp_shard, read_shard_header, reference_differences
 from ckpttool.model.parallel import ParallelContext
@@ -29,6 +29,18 @@ def _source(model: LongcatFlashTransformer, ctx: ParallelContext):
     return lambda native, _=None: rank_slice(KEY_MAP, native, shapes, cfg, ctx.rank, ctx.world_size)
 
 
+def _prepared(model: LongcatFlashTransformer, prepare):
+    """An HF checkpoint as the key table names it: a wrapper's `prepare` first, then transformers' own stacked
+    experts read one by one (spec.stacked_experts)."""
+    def run(ckpt) -> None:
+        if prepare is not None:
+            prepare(ckpt)
+        cfg = model.args.cfg
+        unstack_experts(ckpt, KEY_MAP, cfg.num_experts, stacked_experts(cfg))
+
+    return run
+
+
 def load_shard(model: LongcatFlashTransformer, path: Path, skip=None) -> int:
     _bind(model, read_shard_header(Path(path)).tensors)
     return load_mp_shard(model, path, skip=skip)
@@ -37,8 +49,7 @@ def load_shard(model: LongcatFlashTransformer, path: Path, skip=None) -> int:
 def load_hf(model: LongcatFlashTransformer, directory: Path, n_layers: int = 0, prepare=None) -> None:
     """A whole HF checkpoint into an mp=1 model, strictly."""
     with Checkpoint(directory) as ckpt:
-        if prepare is not None:
-            prepare(ckpt)
+        _prepared(model, prepare)(ckpt)
         _bind(model, ckpt.tensors)
         source = _source(model, ParallelContext())
         params = dict(model.named_parameters())
@@ -54,5 +65,5 @@ VERIFIER = Verifier(
     load_shard=load_shard,
     load_hf=load_hf,
     weight_differences=lambda model, ctx, reference, n_layers, shard, prepare=None: reference_differences(
-        model, reference, shard, _source(model, ctx), prepare=prepare),
+        model, reference, shard, _source(model, ctx), prepare=_prepared(model, prepare)),
 )
