@@ -175,7 +175,7 @@ def test_mp_that_cuts_a_head_or_an_expert_range_is_refused(longcat_hf, tmp_path)
 
 @pytest.mark.parametrize("extra, message", [
     ({"router_bias": True}, "router_bias"),
-    ({"attention_bias": True}, "attention_bias"),
+    ({"attention_bias": "yes"}, "attention_bias"),
     ({"mla_scale_q_lora": False}, "mla_scale_q_lora"),
     ({"zero_expert_type": "zero"}, "zero_expert_type"),
     ({"head_dim": 16}, "head_dim"),
@@ -218,3 +218,45 @@ def test_the_stacked_form_verifies_against_itself(longcat_hf, tmp_path, mp):
     rendered = report.render(tmp_path / "mp")
     assert report.ok and report.generated_ids == ids, rendered
     assert "LongcatFlashForCausalLM" in rendered and report.checks["weights"].ok, rendered
+
+
+@pytest.fixture(scope="module")
+def biased_hf(tmp_path_factory) -> tuple:
+    """attention_bias: true (biases on q_a_proj, kv_a_proj_with_mqa and o_proj, each perturbed): (HF dir,
+    transformers' greedy ids, their logits)."""
+    hf = build_hf("longcat_flash", tmp_path_factory.mktemp("longcat_biased") / "hf",
+                  spec={**TINY, "attention_bias": True})
+    return (hf, *greedy_oracle(hf))
+
+
+def test_attention_biases_are_cut_as_their_weights(biased_hf, tmp_path):
+    """The low-rank down-projections' biases replicated with their weights, o_proj's whole on every rank (the
+    model adds it once, after the all-reduce), and mp 4 merges back byte for byte."""
+    hf = biased_hf[0]
+    src = load_file(str(hf / "model.safetensors"))
+    a = "model.layers.1.self_attn.0."
+    assert {a + "q_a_proj.bias", a + "kv_a_proj_with_mqa.bias", a + "o_proj.bias"} <= src.keys()
+    assert not any(n.endswith(".bias") and (".q_b_proj." in n or ".kv_b_proj." in n) for n in src)
+    cfg = spec.LongcatFlashConfig.from_dict(_config(hf))
+    assert cfg.attention_bias and spec.hf_tensor_shapes(spec.spelled(cfg, src)) == {k: tuple(v.shape) for k, v in src.items()}
+    assert json.loads(run_cli("inspect", hf, "--json").stdout)["model_type"] == "longcat_flash"
+    run_cli("shard", hf, tmp_path / "mp", "--mp", 4, "--quiet")
+    shards = load_dir(tmp_path / "mp")
+    for r in range(4):
+        s = shards[f"model{r}-mp4.safetensors"]
+        for leaf in ("q_a_proj.bias", "kv_a_proj_with_mqa.bias", "o_proj.bias"):
+            assert torch.equal(s[f"layers.1.attn.0.{leaf}"], src[a + leaf]), (r, leaf)
+    run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--quiet")
+    _equal_files(hf / "model.safetensors", tmp_path / "hf" / "model.safetensors")
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_attention_biases_verify_as_transformers(biased_hf, tmp_path, mp):
+    hf, ids, logits = biased_hf
+    run_cli("shard", hf, tmp_path / "mp", "--mp", mp, "--quiet")
+    report = run_verify(tmp_path / "mp", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf,
+                        logits_path=tmp_path / "logits.safetensors")
+    rendered = report.render(tmp_path / "mp")
+    assert report.ok and report.generated_ids == ids, rendered
+    assert "LongcatFlashForCausalLM" in rendered
+    assert (load_file(str(tmp_path / "logits.safetensors"))["logits"] - logits).abs().max() < 1e-3

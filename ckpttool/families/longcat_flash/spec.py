@@ -38,11 +38,11 @@ DEFAULTS = dict(vocab_size=131072, hidden_size=6144, num_layers=28, num_attentio
 ALIASES = {"n_routed_experts": "num_local_experts", "moe_topk": "num_experts_per_tok",
            "ffn_hidden_size": "intermediate_size", "expert_ffn_hidden_size": "moe_intermediate_size"}
 """the class's attribute_map, stored name -> the other name it accepts (that one wins where both are given)"""
-UNSUPPORTED = {"attention_bias": False, "router_bias": False, "mla_scale_q_lora": True, "mla_scale_kv_lora": True,
+UNSUPPORTED = {"router_bias": False, "mla_scale_q_lora": True, "mla_scale_kv_lora": True,
                "zero_expert_type": "identity", "hidden_act": "silu"}
 """fields whose other values describe a model transformers 5.24's longcat_flash does not build as stated (it
-has no attention biases in ckpttool's model, ignores a router bias, always applies both LoRA scalings and
-identity zero experts) or ckpttool's model does not implement"""
+ignores a router bias, always applies both LoRA scalings and identity zero experts) or ckpttool's model does not
+implement"""
 
 
 def key_table() -> list[tuple]:
@@ -51,7 +51,9 @@ def key_table() -> list[tuple]:
     hf, nat = "model.layers.{layer}.", "layers.{layer}."
     attn = [("q_a_proj.weight", None, LINEAR), ("q_a_layernorm.weight", None), ("q_b_proj.weight", 0, LINEAR),
             ("kv_a_proj_with_mqa.weight", None, LINEAR), ("kv_a_layernorm.weight", None),
-            ("kv_b_proj.weight", 0, LINEAR), ("o_proj.weight", 1, LINEAR)]
+            ("kv_b_proj.weight", 0, LINEAR), ("o_proj.weight", 1, LINEAR),
+            # attention_bias: the replicated down-projections' biases, and o_proj's (added once, after the sum)
+            ("q_a_proj.bias", None), ("kv_a_proj_with_mqa.bias", None), ("o_proj.bias", None)]
     mlp = (("gate_proj", "w1", 0), ("up_proj", "w3", 0), ("down_proj", "w2", 1))
     return [("model.embed_tokens.weight", "tok_embeddings.weight", 0), ("model.norm.weight", "norm.weight", None),
             ("lm_head.weight", "output.weight", 0),
@@ -92,6 +94,7 @@ class LongcatFlashConfig:
     rope_theta: float
     tie_word_embeddings: bool
     rms_norm_eps: float
+    attention_bias: bool  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj (transformers' LongcatFlashMLA)
 
     @property
     def qk_head_dim(self) -> int:
@@ -126,7 +129,7 @@ class LongcatFlashConfig:
                       n_routed_experts=int(d["n_routed_experts"]), zero_expert_num=int(d["zero_expert_num"]),
                       moe_topk=int(d["moe_topk"]), routed_scaling_factor=float(d["routed_scaling_factor"]),
                       rope_theta=rope.theta, tie_word_embeddings=bool(d["tie_word_embeddings"]),
-                      rms_norm_eps=float(d["rms_norm_eps"]))
+                      rms_norm_eps=float(d["rms_norm_eps"]), attention_bias=_flag(d, "attention_bias", source))
             kv_heads = heads if d["num_key_value_heads"] is None else int(d["num_key_value_heads"])
             qk_head_dim = cfg.qk_head_dim if d["qk_head_dim"] is None else int(d["qk_head_dim"])
             head_dim = int(d["head_dim"])
@@ -147,6 +150,13 @@ class LongcatFlashConfig:
             raise InputError(f"config.json describes no LongCat-Flash model: {'; '.join(bad)}", file=source,
                              fix="use the config.json published with the checkpoint")
         return cfg
+
+
+def _flag(d: dict, field: str, source: object) -> bool:
+    if not isinstance(d[field], bool):
+        raise InputError(f"config.json's {field} = {d[field]!r} is not true or false", file=source,
+                         fix="use the config.json published with the checkpoint")
+    return d[field]
 
 
 def spelled(cfg: LongcatFlashConfig, names) -> LongcatFlashConfig:
@@ -171,23 +181,16 @@ def stacked_experts(cfg: LongcatFlashConfig) -> dict[str, int]:
 
 def hf_tensor_shapes(cfg: LongcatFlashConfig, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this config holds, in its spelling."""
-    h, heads, i = cfg.hidden_size, cfg.num_attention_heads, cfg.expert_ffn_hidden_size
+    h, i = cfg.hidden_size, cfg.expert_ffn_hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
         for sub in (0, 1):
-            a = f"{p}self_attn.{sub}."
-            shapes.update({f"{p}input_layernorm.{sub}.weight": (h,), f"{p}post_attention_layernorm.{sub}.weight": (h,),
-                           a + "q_a_proj.weight": (cfg.q_lora_rank, h), a + "q_a_layernorm.weight": (cfg.q_lora_rank,),
-                           a + "q_b_proj.weight": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
-                           a + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
-                           a + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-                           a + "kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-                           a + "o_proj.weight": (h, heads * cfg.v_head_dim)})
-            m, f = f"{p}mlps.{sub}.", cfg.ffn_hidden_size
-            shapes.update({m + "gate_proj.weight": (f, h), m + "up_proj.weight": (f, h), m + "down_proj.weight": (h, f)})
+            shapes.update({f"{p}input_layernorm.{sub}.weight": (h,), f"{p}post_attention_layernorm.{sub}.weight": (h,)})
+            _attention_shapes(shapes, f"{p}self_attn.{sub}.", cfg)
+            _mlp_shapes(shapes, f"{p}mlps.{sub}.", cfg)
         shapes[p + "mlp.router.classifier.weight"] = (cfg.num_experts, h)
         shapes[p + "mlp.router.e_score_correction_bias"] = (cfg.num_experts,)
         held = cfg.num_experts if cfg.spelling == "transformers" else cfg.n_routed_experts
@@ -197,6 +200,24 @@ def hf_tensor_shapes(cfg: LongcatFlashConfig, with_mtp: bool = True) -> dict[str
             if e < cfg.n_routed_experts:
                 shapes[x + "down_proj.weight"] = (h, i)
     return shapes
+
+
+def _attention_shapes(shapes: dict, a: str, cfg: LongcatFlashConfig) -> None:
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    shapes.update({a + "q_a_proj.weight": (cfg.q_lora_rank, h), a + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+                   a + "q_b_proj.weight": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
+                   a + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+                   a + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+                   a + "kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                   a + "o_proj.weight": (h, heads * cfg.v_head_dim)})
+    if cfg.attention_bias:
+        shapes.update({a + "q_a_proj.bias": (cfg.q_lora_rank,),
+                       a + "kv_a_proj_with_mqa.bias": (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), a + "o_proj.bias": (h,)})
+
+
+def _mlp_shapes(shapes: dict, m: str, cfg: LongcatFlashConfig) -> None:
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    shapes.update({m + "gate_proj.weight": (f, h), m + "up_proj.weight": (f, h), m + "down_proj.weight": (h, f)})
 
 
 def check_mp(cfg: LongcatFlashConfig, mp: int) -> None:
