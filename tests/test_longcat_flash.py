@@ -102,7 +102,7 @@ def test_expected_shapes_are_what_the_checkpoint_holds(longcat_hf, spelling):
     tensors = load_file(str(hf / "model.safetensors"))
     cfg = spec.spelled(spec.LongcatFlashConfig.from_dict(_config(hf)), tensors)
     assert cfg.spelling == spelling
-    assert spec.hf_tensor_shapes(cfg) == {k: tuple(v.shape) for k, v in tensors.items()}
+    assert spec.hf_tensor_shapes(cfg, with_mtp=False) == {k: tuple(v.shape) for k, v in tensors.items()}
 
 
 @pytest.mark.parametrize("mp", [1, 2])
@@ -238,7 +238,8 @@ def test_attention_biases_are_cut_as_their_weights(biased_hf, tmp_path):
     assert {a + "q_a_proj.bias", a + "kv_a_proj_with_mqa.bias", a + "o_proj.bias"} <= src.keys()
     assert not any(n.endswith(".bias") and (".q_b_proj." in n or ".kv_b_proj." in n) for n in src)
     cfg = spec.LongcatFlashConfig.from_dict(_config(hf))
-    assert cfg.attention_bias and spec.hf_tensor_shapes(spec.spelled(cfg, src)) == {k: tuple(v.shape) for k, v in src.items()}
+    assert cfg.attention_bias
+    assert spec.hf_tensor_shapes(spec.spelled(cfg, src), False) == {k: tuple(v.shape) for k, v in src.items()}
     assert json.loads(run_cli("inspect", hf, "--json").stdout)["model_type"] == "longcat_flash"
     run_cli("shard", hf, tmp_path / "mp", "--mp", 4, "--quiet")
     shards = load_dir(tmp_path / "mp")
@@ -260,3 +261,84 @@ def test_attention_biases_verify_as_transformers(biased_hf, tmp_path, mp):
     assert report.ok and report.generated_ids == ids, rendered
     assert "LongcatFlashForCausalLM" in rendered
     assert (load_file(str(tmp_path / "logits.safetensors"))["logits"] - logits).abs().max() < 1e-3
+
+
+def _mtp_layer() -> dict[str, torch.Tensor]:
+    """The published checkpoints' MTP layer for TINY, under the names vLLM's and SGLang's LongCat MTP models load
+    (one MLA attention, a dense MLP of ffn_hidden_size), every value random."""
+    h, v, f, p = 64, 256, 96, "model.mtp.layers.0."
+    shapes = {"model.mtp.embed_tokens.weight": (v, h), "model.mtp.norm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
+              p + "enorm.m.weight": (h,), p + "hnorm.m.weight": (h,), p + "input_layernorm.weight": (h,),
+              p + "post_attention_layernorm.weight": (h,), p + "self_attn.q_a_proj.weight": (24, h),
+              p + "self_attn.q_a_layernorm.weight": (24,), p + "self_attn.q_b_proj.weight": (4 * 24, 24),
+              p + "self_attn.kv_a_proj_with_mqa.weight": (16 + 8, h), p + "self_attn.kv_a_layernorm.weight": (16,),
+              p + "self_attn.kv_b_proj.weight": (4 * 32, 16), p + "self_attn.o_proj.weight": (h, 4 * 16),
+              p + "transformer_layer.mlp.gate_proj.weight": (f, h), p + "transformer_layer.mlp.up_proj.weight": (f, h),
+              p + "transformer_layer.mlp.down_proj.weight": (h, f)}
+    g = torch.Generator().manual_seed(7)
+    return {n: torch.randn(shape, generator=g).bfloat16() for n, shape in shapes.items()}
+
+
+@pytest.fixture(scope="module")
+def mtp_hf(longcat_hf, tmp_path_factory) -> dict:
+    """spelling -> HF dir of the same weights with the MTP layer beside them (transformers' spelling is also the
+    reference: transformers loads it, ignoring `model.mtp.*`)."""
+    root, mtp = tmp_path_factory.mktemp("longcat_mtp"), _mtp_layer()
+    out = {}
+    for spelling in ("transformers", "hub"):
+        src = longcat_hf[spelling][0]
+        (root / spelling).mkdir()
+        shutil.copy(src / "config.json", root / spelling / "config.json")
+        save_file({**load_file(str(src / "model.safetensors")), **mtp}, str(root / spelling / "model.safetensors"),
+                  metadata={"format": "pt"})
+        out[spelling] = root / spelling
+    return out
+
+
+def test_the_mtp_layer_is_read_with_its_published_names_and_dropped_from_mp_by_default(mtp_hf, tmp_path):
+    hf = mtp_hf["hub"]
+    tensors = load_file(str(hf / "model.safetensors"))
+    cfg = spec.spelled(spec.LongcatFlashConfig.from_dict(_config(hf)), tensors)
+    assert spec.hf_tensor_shapes(cfg) == {k: tuple(v.shape) for k, v in tensors.items()}
+    plan = json.loads(run_cli("plan", hf, "--mp", 2, "--json").stdout)
+    assert "dropped 17 MTP tensors (keep them with --keep-mtp)" in plan["notes"]
+    run_cli("shard", hf, tmp_path / "mp", "--mp", 2, "--quiet")
+    assert not any(n.startswith("mtp.") for s in load_dir(tmp_path / "mp").values() for n in s)
+
+
+def test_a_kept_mtp_layer_is_cut_like_a_layer_and_merges_back_byte_for_byte(mtp_hf, tmp_path):
+    hf = mtp_hf["hub"]
+    src, p = load_file(str(hf / "model.safetensors")), "model.mtp.layers.0."
+    for mp in (1, 2, 4):
+        run_cli("shard", hf, tmp_path / f"mp{mp}", "--mp", mp, "--keep-mtp", "--quiet")
+        run_cli("merge", tmp_path / f"mp{mp}", tmp_path / f"hf{mp}", "--quiet")
+        _equal_files(hf / "model.safetensors", tmp_path / f"hf{mp}" / "model.safetensors")
+    shards = load_dir(tmp_path / "mp4")
+    for r in range(4):
+        s = shards[f"model{r}-mp4.safetensors"]
+        assert torch.equal(s["mtp.embed_tokens.weight"], src["model.mtp.embed_tokens.weight"][r * 64:(r + 1) * 64])
+        assert torch.equal(s["mtp.layers.0.attn.q_b_proj.weight"], src[p + "self_attn.q_b_proj.weight"][r * 24:(r + 1) * 24])
+        assert torch.equal(s["mtp.layers.0.attn.o_proj.weight"], src[p + "self_attn.o_proj.weight"][:, r * 16:(r + 1) * 16])
+        assert torch.equal(s["mtp.layers.0.mlp.w2.weight"],
+                           src[p + "transformer_layer.mlp.down_proj.weight"][:, r * 24:(r + 1) * 24])
+        for mine, theirs in (("eh_proj", "eh_proj"), ("enorm", "enorm.m"), ("attn.q_a_proj", "self_attn.q_a_proj")):
+            assert torch.equal(s[f"mtp.layers.0.{mine}.weight"], src[f"{p}{theirs}.weight"]), mine
+
+
+@pytest.mark.parametrize("mp", [1, 2])
+def test_a_kept_mtp_layer_verifies_and_is_compared_with_the_reference(longcat_hf, mtp_hf, tmp_path, mp):
+    """verify runs the main model (transformers has no MTP to compare with) and compares every MTP tensor of each
+    rank with its slice of the reference: one changed value fails it."""
+    hf, ids = mtp_hf["transformers"], longcat_hf["transformers"][1]
+    run_cli("shard", hf, tmp_path / "mp", "--mp", mp, "--keep-mtp", "--quiet")
+    report = run_verify(tmp_path / "mp", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf)
+    rendered = report.render(tmp_path / "mp")
+    assert report.ok and report.generated_ids == ids and "LongcatFlashForCausalLM" in rendered, rendered
+    assert "17 MTP (not run; each compared with its slice of the reference" in report.checks["load"].detail
+    last = tmp_path / "mp" / f"model{mp - 1}-mp{mp}.safetensors"
+    tensors = load_file(str(last))
+    tensors["mtp.layers.0.mlp.w2.weight"][0, 0] += 1
+    save_file(tensors, str(last), metadata={"format": "pt"})
+    report = run_verify(tmp_path / "mp", prompt_ids=PROMPT, max_new_tokens=1, device="cpu", reference=hf)
+    assert not report.ok and "'mtp.layers.0.mlp.w2.weight' in " + last.name + " differs from its slice of reference " \
+        "'model.mtp.layers.0.transformer_layer.mlp.down_proj.weight'" in report.checks["weights"].detail

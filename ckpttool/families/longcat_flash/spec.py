@@ -17,6 +17,13 @@ Names: `layers.{layer}.attn.{sub}.<the HF leaf>`, `.attention_norm.{sub}`, `.ffn
 `.moe.gate` (router), `.moe.gate.bias` (correction bias), `.moe.experts.{expert}.w1/w2/w3`; `tok_embeddings`,
 `norm`, `output`. q_b_proj and kv_b_proj are cut on whole heads (rows), o_proj on its columns, the low-rank
 down-projections and their norms replicated.
+
+MTP: the published checkpoints' MTP layer (`model.mtp.*`: an embedding, `eh_proj`, `enorm`/`hnorm`, one MLA
+attention and one dense MLP under `transformer_layer.mlp`, a final norm) is what vLLM and SGLang load for
+speculative decoding; transformers ignores it. It is handled as every family here handles MTP layers: kept in HF
+outputs, dropped from mp shards unless --keep-mtp, and then cut like a decoder layer under `mtp.` names
+(`mtp.embed_tokens`, `mtp.norm`, `mtp.layers.0.{eh_proj,enorm,hnorm,attention_norm,ffn_norm}`,
+`mtp.layers.0.attn.<leaf>`, `mtp.layers.0.mlp.w1/w2/w3`), so merge gives it back byte for byte.
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ from ckpttool.families.base import config_fields, read_rope
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 
 MODEL_TYPES = ("longcat_flash",)
+MTP_PREFIX, MTP_NATIVE = "model.mtp.", "mtp."
+MTP_LAYERS = 1
+"""the MTP layers the published checkpoints hold (`model.mtp.layers.0.*`); vLLM's and SGLang's LongCat MTP models
+build exactly one, whatever config.json says, and transformers' config has no field for them"""
 DEFAULT_THETA = 10000000.0
 DEFAULTS = dict(vocab_size=131072, hidden_size=6144, num_layers=28, num_attention_heads=64, num_key_value_heads=None,
                 hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
@@ -64,7 +75,22 @@ def key_table() -> list[tuple]:
             (hf + "mlp.router.classifier.weight", nat + "moe.gate.weight", None),
             (hf + "mlp.router.e_score_correction_bias", nat + "moe.gate.bias", None),
             *[(f"{hf}mlp.experts.{{expert}}.{a}.weight", f"{nat}moe.experts.{{expert}}.{b}.weight", EXPERT, LINEAR)
-              for a, b, _ in mlp]]
+              for a, b, _ in mlp],
+            *_mtp_rows(attn, mlp)]
+
+
+def _mtp_rows(attn: list[tuple], mlp: tuple) -> list[tuple]:
+    """The published checkpoints' MTP layer, named as vLLM's and SGLang's LongCat MTP models load it; cut as the
+    decoder's tensors are (one MLA attention, one dense MLP), its embedding on the vocabulary, the rest replicated."""
+    hf, nat = MTP_PREFIX + "layers.{layer}.", MTP_NATIVE + "layers.{layer}."
+    return [(MTP_PREFIX + "embed_tokens.weight", MTP_NATIVE + "embed_tokens.weight", 0),
+            (MTP_PREFIX + "norm.weight", MTP_NATIVE + "norm.weight", None),
+            (hf + "eh_proj.weight", nat + "eh_proj.weight", None, LINEAR),
+            (hf + "enorm.m.weight", nat + "enorm.weight", None), (hf + "hnorm.m.weight", nat + "hnorm.weight", None),
+            (hf + "input_layernorm.weight", nat + "attention_norm.weight", None),
+            (hf + "post_attention_layernorm.weight", nat + "ffn_norm.weight", None),
+            *[(f"{hf}self_attn.{leaf}", f"{nat}attn.{leaf}", *rest) for leaf, *rest in attn],
+            *[(f"{hf}transformer_layer.mlp.{a}.weight", f"{nat}mlp.{b}.weight", split, LINEAR) for a, b, split in mlp]]
 
 
 KEY_MAP = KeyMap(key_table())
@@ -199,7 +225,19 @@ def hf_tensor_shapes(cfg: LongcatFlashConfig, with_mtp: bool = True) -> dict[str
             shapes.update({x + "gate_proj.weight": (i, h), x + "up_proj.weight": (i, h)})
             if e < cfg.n_routed_experts:
                 shapes[x + "down_proj.weight"] = (h, i)
+    if with_mtp:
+        shapes.update({MTP_PREFIX + "embed_tokens.weight": (cfg.vocab_size, h), MTP_PREFIX + "norm.weight": (h,)})
+        for layer in range(MTP_LAYERS):
+            p = f"{MTP_PREFIX}layers.{layer}."
+            shapes.update({p + "eh_proj.weight": (h, 2 * h), p + "enorm.m.weight": (h,), p + "hnorm.m.weight": (h,),
+                           p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+            _attention_shapes(shapes, p + "self_attn.", cfg)
+            _mlp_shapes(shapes, p + "transformer_layer.mlp.", cfg)
     return shapes
+
+
+def is_mtp_tensor(cfg: LongcatFlashConfig, hf_name: str) -> bool:
+    return hf_name.startswith(MTP_PREFIX)
 
 
 def _attention_shapes(shapes: dict, a: str, cfg: LongcatFlashConfig) -> None:
