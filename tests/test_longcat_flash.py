@@ -74,6 +74,7 @@ def test_config_defaults_are_the_transformers_class_defaults():
     for field, value in spec.DEFAULTS.items():
         if field not in ("num_key_value_heads", "qk_head_dim"):  # None in the class, filled in __post_init__
             assert getattr(defaults, field) == value, field
+    assert transformers.LongcatFlashConfig.attribute_map == {alias: k for k, alias in spec.ALIASES.items()}
     cfg = spec.LongcatFlashConfig.from_dict({"model_type": "longcat_flash"})
     assert (cfg.num_hidden_layers, cfg.qk_head_dim, cfg.rope_theta) == (
         defaults.num_layers, defaults.qk_head_dim, defaults.rope_parameters["rope_theta"])
