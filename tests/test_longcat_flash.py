@@ -301,6 +301,7 @@ def test_the_mtp_layer_is_read_with_its_published_names_and_dropped_from_mp_by_d
     tensors = load_file(str(hf / "model.safetensors"))
     cfg = spec.spelled(spec.LongcatFlashConfig.from_dict(_config(hf)), tensors)
     assert spec.hf_tensor_shapes(cfg) == {k: tuple(v.shape) for k, v in tensors.items()}
+    assert json.loads(run_cli("inspect", hf, "--json").stdout)["model_type"] == "longcat_flash"
     plan = json.loads(run_cli("plan", hf, "--mp", 2, "--json").stdout)
     assert "dropped 17 MTP tensors (keep them with --keep-mtp)" in plan["notes"]
     run_cli("shard", hf, tmp_path / "mp", "--mp", 2, "--quiet")
@@ -326,15 +327,17 @@ def test_a_kept_mtp_layer_is_cut_like_a_layer_and_merges_back_byte_for_byte(mtp_
             assert torch.equal(s[f"mtp.layers.0.{mine}.weight"], src[f"{p}{theirs}.weight"]), mine
 
 
-@pytest.mark.parametrize("mp", [1, 2])
-def test_a_kept_mtp_layer_verifies_and_is_compared_with_the_reference(longcat_hf, mtp_hf, tmp_path, mp):
+@pytest.mark.parametrize("spelling, mp", [("transformers", 1), ("transformers", 2), ("hub", 2)])
+def test_a_kept_mtp_layer_verifies_and_is_compared_with_the_reference(longcat_hf, mtp_hf, tmp_path, spelling, mp):
     """verify runs the main model (transformers has no MTP to compare with) and compares every MTP tensor of each
-    rank with its slice of the reference: one changed value fails it."""
-    hf, ids = mtp_hf["transformers"], longcat_hf["transformers"][1]
+    rank with its slice of the reference: one changed value fails it. A published reference (which transformers
+    cannot load) is answered by the bundled model, loaded from it with the MTP layer left out."""
+    hf, ids = mtp_hf[spelling], longcat_hf[spelling][1]
     run_cli("shard", hf, tmp_path / "mp", "--mp", mp, "--keep-mtp", "--quiet")
     report = run_verify(tmp_path / "mp", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf)
     rendered = report.render(tmp_path / "mp")
-    assert report.ok and report.generated_ids == ids and "LongcatFlashForCausalLM" in rendered, rendered
+    assert report.ok and report.generated_ids == ids, rendered
+    assert ("LongcatFlashForCausalLM" if spelling == "transformers" else "the bundled model at mp=1") in rendered
     assert "17 MTP (not run; each compared with its slice of the reference" in report.checks["load"].detail
     last = tmp_path / "mp" / f"model{mp - 1}-mp{mp}.safetensors"
     tensors = load_file(str(last))
