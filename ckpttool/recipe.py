@@ -307,8 +307,8 @@ def validate_recipe(data: dict, source: object = "<recipe>", text: str | None = 
 
 def _fix_for(err: dict) -> str:
     if err["type"] == "extra_forbidden":
-        return "remove or correct that key; see README 'Recipe reference' for the allowed keys"
-    return "see README 'Recipe reference'"
+        return "remove or correct that key; see docs/recipes.md for the allowed keys"
+    return "see docs/recipes.md (the recipe reference)"
 
 
 def _allowed_keys(loc: tuple) -> list[str]:

@@ -155,7 +155,7 @@ def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = No
             json_: Json = False) -> None:
     """Quantized HF checkpoint -> BF16 HF checkpoint (index, config and tokenizer rewritten/copied).
 
-    Reads the formats README's "Quantized inputs" lists: FP8, MXFP4, compressed-tensors, ModelOpt, GPTQ, AWQ.
+    Reads the formats README's formats table lists: FP8, MXFP4, compressed-tensors, ModelOpt, GPTQ, AWQ.
 
     Example: ckpttool dequant ./DeepSeek-V3 ./DeepSeek-V3-bf16
     """

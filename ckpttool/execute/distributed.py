@@ -107,13 +107,14 @@ class Group:
             raise cls(message, file=file, tensor=tensor, fix=fix)
         return value
 
-    def all_ok(self, ok: bool) -> bool:
-        """True only if every rank finished its share."""
+    def all_ok(self, ok: bool, note: object = None) -> bool | tuple[bool, list]:
+        """True only if every rank finished its share. With a `note`, also every rank's note, in rank order."""
         if self.world_size == 1:
-            return ok
+            return ok if note is None else (ok, [note])
         flags = [None] * self.world_size
-        self.dist.all_gather_object(flags, ok)
-        return all(flags)
+        self.dist.all_gather_object(flags, (ok, note))
+        everyone = all(f[0] for f in flags)
+        return everyone if note is None else (everyone, [f[1] for f in flags])
 
     def close(self) -> None:
         if self._owned:
