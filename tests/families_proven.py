@@ -237,22 +237,33 @@ PROVEN: tuple[Proven, ...] = (
             "test_kimi_linear.py::test_shard_mp4_then_merge_is_byte_identical_in_its_own_spelling",
             "test_kimi_linear.py::test_fields_are_read_as_kimi_linear_config_reads_them",
             "test_kimi_linear.py::test_what_transformers_does_not_build_is_refused_by_name")),
-    Proven("LongCat-Flash (`longcat_flash`), BF16, in the published spelling (zero experts hold no weights) and "
-           "transformers' save_pretrained's", ("longcat_flash",), "yes",
-           "1, 2, 4 (8 refused: heads; mp must divide routed + zero experts)", "byte for byte, each spelling",
+    Proven("LongCat-Flash (`longcat_flash`), BF16, in the published spelling (zero experts hold no weights, MTP "
+           "layer) and transformers' save_pretrained's (per expert, or its own stacked form)", ("longcat_flash",), "yes",
+           "1, 2, 4 (8 refused: heads; mp must divide routed + zero experts)",
+           "byte for byte, each spelling (MTP layer too); the stacked form merges to the per-expert one",
            "mp 1, 2 (as transformers' LongcatFlashForCausalLM)",
            "two MLA sublayers per layer (query LoRA, LoRA scaling of the query and latent, interleaved rotary pairs) "
            "cut on whole heads, two dense MLPs, a shortcut MoE: softmax over routed + zero (identity) experts, "
            "correction bias for the choice, unnormalised weights times `routed_scaling_factor`. Zero experts are "
            "counted as experts after the routed ones (the router's width, the ranges ranks own); transformers' "
-           "save_pretrained writes unused gate and up projections for them, carried to their rank. transformers "
-           "5.24 cannot load the published spelling (a size mismatch): verify against it falls back to the bundled "
-           "model, said so. Refused by name: attention biases, `router_bias`, LoRA scaling off, non-identity zero "
-           "experts, rope types other than default; MTP tensors (`model.mtp.*`) have no rows",
+           "save_pretrained writes unused gate and up projections for them, carried to their rank; its own form "
+           "(`save_original_format=False`: experts stacked, zero-expert slots in `gate_up_proj` only) is read as "
+           "its per-expert one. `attention_bias`: the q_a/kv_a biases replicated, o_proj's added once after the "
+           "sum. The published MTP layer (`model.mtp.*`, which transformers ignores) is kept in HF outputs, dropped "
+           "from mp by default; `--keep-mtp` cuts it like a layer and verify compares it with the reference (not "
+           "run, said so). transformers 5.24 cannot load the published spelling (a size mismatch): verify against "
+           "it falls back to the bundled model, said so. Refused by name: `router_bias`, LoRA scaling off, "
+           "non-identity zero experts, rope types other than default",
            ("test_longcat_flash.py::test_shard_then_verify_gives_transformers_greedy_tokens",
             "test_longcat_flash.py::test_shard_mp4_then_merge_is_byte_identical_in_its_own_spelling",
             "test_longcat_flash.py::test_heads_are_cut_whole_and_zero_experts_ranked_after_routed_ones",
             "test_longcat_flash.py::test_a_published_reference_falls_back_to_the_bundled_model_and_says_why",
             "test_longcat_flash.py::test_fields_are_read_as_longcat_flash_config_reads_them",
-            "test_longcat_flash.py::test_what_ckpttools_model_does_not_build_is_refused_by_name")),
+            "test_longcat_flash.py::test_what_ckpttools_model_does_not_build_is_refused_by_name",
+            "test_longcat_flash.py::test_transformers_own_stacked_form_reads_as_its_per_expert_spelling",
+            "test_longcat_flash.py::test_the_stacked_form_verifies_against_itself",
+            "test_longcat_flash.py::test_attention_biases_are_cut_as_their_weights",
+            "test_longcat_flash.py::test_attention_biases_verify_as_transformers",
+            "test_longcat_flash.py::test_a_kept_mtp_layer_is_cut_like_a_layer_and_merges_back_byte_for_byte",
+            "test_longcat_flash.py::test_a_kept_mtp_layer_verifies_and_is_compared_with_the_reference")),
 )

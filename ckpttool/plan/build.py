@@ -65,7 +65,8 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     cfg = family.parse_config(ckpt.config, config_path)
     if family.spelled is not None:  # the config alone does not say how these tensors are named
         cfg = family.spelled(cfg, ckpt.tensors)
-    stacked = unstack_experts(ckpt, family.keys(cfg), family.num_experts(cfg))
+    stacked = unstack_experts(ckpt, family.keys(cfg), family.num_experts(cfg),
+                              family.stacked_experts(cfg) if family.stacked_experts is not None else None)
 
     tensors = [TensorPlan(name, s.info.dtype, s.info.shape, source=name, file=s.file)
                for name, s in sorted(ckpt.tensors.items())]
