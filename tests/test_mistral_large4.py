@@ -2,16 +2,17 @@
 multimodal wrapper (families/multimodal.py), read in Mistral's own names and in transformers' own. On tiny models
 transformers 5.24 builds and saves in tmp_path (tests/large4_models.py: NoPE and RoPE layers, layers storing and
 reusing latent KV, shared-indexer layers, a learned LeRoPE alpha, per-head softmax scaling, every parameter
-perturbed): inspect, plan, shard --mp 1/2/4 (8 refused: it would cut a head), merge back byte for byte; refusals
-say why."""
+perturbed): inspect, plan, shard --mp 1/2/4 (8 refused: it would cut a head), merge back byte for byte, verify
+giving transformers' own greedy tokens (MistralLarge4ForConditionalGeneration) at mp 1 and 2; refusals say why."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ckpttool.errors import InputError
 from ckpttool.families.base import unstack_experts
@@ -19,15 +20,23 @@ from ckpttool.families.deepseek.spec import DeepseekConfig, hf_tensor_shapes
 from ckpttool.families.deepseek.types import TYPES
 from ckpttool.families.table import family_for
 from ckpttool.io.checkpoint import Checkpoint
+from ckpttool.model.parallel import ParallelContext
+from ckpttool.verify.defaults import DEFAULT_TOLERANCE
+from ckpttool.verify.run import run_verify
 from conftest import load_dir, run_cli
 from large4_models import PASSED, TEXT, build_large4
+from mla_models import NEW_TOKENS, PROMPT, greedy_oracle
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def large4(tmp_path_factory) -> dict:
-    return build_large4(tmp_path_factory.mktemp("large4"))
+    """spelling -> HF dir of the same tiny model, and "ids": transformers' greedy ids (equal in both spellings)."""
+    out: dict = build_large4(tmp_path_factory.mktemp("large4"))
+    out["ids"] = greedy_oracle(out["mistral"])
+    assert greedy_oracle(out["transformers"]) == out["ids"]
+    return out
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:
@@ -73,7 +82,8 @@ def test_expected_shapes_are_what_transformers_saved(large4, spelling):
 
 def test_both_spellings_shard_to_the_same_text_tower_and_rank0_carries_the_rest(large4, tmp_path):
     shards = {}
-    for spelling, hf in large4.items():
+    for spelling in ("mistral", "transformers"):
+        hf = large4[spelling]
         run_cli("shard", hf, tmp_path / spelling, "--mp", 2, "--quiet")
         shards[spelling] = load_dir(tmp_path / spelling)
         passed = {n: t for n, t in load_file(str(hf / "model.safetensors")).items() if n.startswith(PASSED)}
@@ -146,7 +156,73 @@ def test_configs_transformers_would_read_otherwise_are_refused(change, message):
         DeepseekConfig.from_dict({"model_type": "mistral_large4_text", **TEXT, **change})
 
 
-def test_verify_is_refused_naming_what_the_bundled_model_lacks(large4, tmp_path):
+@pytest.mark.parametrize("mp", [1, 2])
+@pytest.mark.parametrize("spelling", ["mistral", "transformers"])
+def test_shard_then_verify_gives_transformers_greedy_tokens(large4, tmp_path, spelling, mp):
+    hf = large4[spelling]
+    run_cli("shard", hf, tmp_path / "mp", "--mp", mp, "--quiet")
+    report = run_verify(tmp_path / "mp", reference=hf, prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS)
+    assert report.ok, report.render("mistral_large4")
+    assert report.generated_ids == large4["ids"]
+    assert "MistralLarge4ForConditionalGeneration" in report.checks["reference"].detail  # transformers answered
+    assert report.max_abs_logit_diff < 1e-4
+    assert "vision tower and projector tensor(s) on rank 0 skipped" in report.checks["load"].detail
+
+
+def _bundled_logits(hf, change=None) -> torch.Tensor:
+    """The bundled model at mp 1 on PROMPT, every position, after `change(model)`."""
+    family = family_for(json.loads((hf / "config.json").read_text()))
+    verifier = family.verifier()
+    args = verifier.load_args(json.loads((hf / "config.json").read_text()), hf / "config.json")
+    model = verifier.build(args, ParallelContext(), torch.float32, "absorb")
+    verifier.load_hf(model, hf, args.n_layers)
+    if change is not None:
+        change(model)
+    model.setup_caches(1, len(PROMPT))
+    return model(torch.tensor([PROMPT]), all_positions=True)[0]
+
+
+def _no_softcapping(model) -> None:
+    model.args = replace(model.args, logit_softcapping=0.0)
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: m.rope_alpha.data.zero_(),  # LeRoPE's learned frequencies
+    lambda m: m.layers[3].attn.softmax_scaling.scale.data.zero_(),  # per-head query scaling (a reusing layer)
+    lambda m: m.layers[4].attn.softmax_scaling.bias.data.fill_(1.0),  # ... and a NoPE layer's
+    lambda m: m.layers[1].attn.wkv_a.weight.data.mul_(1.5),  # the latent layer 3 reuses (and layer 1's own)
+    _no_softcapping,
+], ids=["lerope_alpha", "softmax_scaling_reuse_layer", "softmax_scaling_nope_layer", "stored_latent", "softcapping"])
+def test_what_large4_adds_moves_the_logits_the_comparison_checks(large4, change):
+    """The bundled model's logits equal transformers' at every prompt position, and each of Large 4's additions
+    moves them by more than twice verify's tolerance: a model without one of them would fail verify."""
+    with torch.no_grad():
+        theirs = transformers.AutoModelForImageTextToText.from_pretrained(large4["mistral"], dtype=torch.float32)
+        expected = theirs(torch.tensor([PROMPT])).logits[0].float()
+    ours = _bundled_logits(large4["mistral"])
+    assert (ours - expected).abs().max() < 1e-4
+    assert (_bundled_logits(large4["mistral"], change) - expected).abs().max() > 2 * DEFAULT_TOLERANCE["float32"]
+
+
+def test_naive_attention_is_refused_where_layers_share_latent_kv(large4, tmp_path):
     run_cli("shard", large4["mistral"], tmp_path / "mp", "--mp", 1, "--quiet")
-    proc = run_cli("verify", tmp_path / "mp", "--reference", large4["mistral"], "--prompt-ids", "3,17,42", check=False)
-    assert proc.returncode != 0 and "verify does not run Mistral Large 4's text model yet" in proc.stderr
+    proc = run_cli("verify", tmp_path / "mp", "--prompt-ids", "3,17,42", "--attn", "naive", check=False)
+    assert proc.returncode != 0 and "layer 3 attends to layer 1's latent" in proc.stderr and "--attn absorb" in proc.stderr
+
+
+def test_the_published_draft_head_passes_through_on_rank0(large4, tmp_path):
+    """The hub checkpoint's `mtp_dspark.*` (a draft head transformers 5.24 ignores on load) is carried whole on
+    rank 0 and merged back byte for byte, beside the vision tower."""
+    src = tmp_path / "src"
+    src.mkdir()
+    tensors = load_file(str(large4["mistral"] / "model.safetensors"))
+    tensors["mtp_dspark.layers.0.attention.wq.weight"] = torch.arange(96 * 64, dtype=torch.float32).view(96, 64)
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    (src / "config.json").write_bytes((large4["mistral"] / "config.json").read_bytes())
+    run_cli("shard", src, tmp_path / "mp", "--mp", 2, "--quiet")
+    rank0 = load_file(str(tmp_path / "mp" / "model0-mp2.safetensors"))
+    assert torch.equal(rank0["mtp_dspark.layers.0.attention.wq.weight"], tensors["mtp_dspark.layers.0.attention.wq.weight"])
+    assert not any(n.startswith("mtp_dspark.") for n in load_file(str(tmp_path / "mp" / "model1-mp2.safetensors")))
+    run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--quiet")
+    merged = _tensors(tmp_path / "hf")
+    assert merged.keys() == tensors.keys() and all(torch.equal(t, merged[n]) for n, t in tensors.items())

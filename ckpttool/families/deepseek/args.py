@@ -82,10 +82,25 @@ class ModelArgs:
     index_head_dim: int = 0
     index_topk: int = 0
     indexer_layers: tuple[bool, ...] = ()
+    # Mistral Large 4 (types.py): which layers rotate and whose latent KV each attends to (empty: all rotate, each
+    # its own), per-head query scaling by log(position), learned rotary frequencies, logit softcapping (0: none),
+    # and the router's weight kept in float32 as transformers keeps it
+    rope_layers: tuple[bool, ...] = ()
+    kv_sources: tuple[int, ...] = ()
+    softmax_scaling: bool = False
+    lerope: bool = False
+    logit_softcapping: float = 0.0
+    fp32_router: bool = False
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def rotates(self, layer: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer]
+
+    def kv_source(self, layer: int) -> int:
+        return self.kv_sources[layer] if self.kv_sources else layer
 
     @property
     def softmax_scale(self) -> float:
@@ -99,10 +114,6 @@ class ModelArgs:
     def from_hf_config(cls, raw: dict, source: object = "config.json") -> "ModelArgs":
         cfg = DeepseekConfig.from_dict(raw, source)
         t = cfg.type
-        if t.softmax_scaling:
-            raise InputError(f"verify does not run {t.title} yet: the bundled MLA model lacks its NoPE layers, "
-                             "latent KV shared across layers, per-head query scaling, LeRoPE and logit softcapping",
-                             file=source, fix="shard, convert and merge it without --verify")
         if t.default_rope is not None and not (raw.get("rope_scaling") or raw.get("rope_parameters")):
             raw = {**raw, "rope_parameters": t.default_rope}  # the class's own rope (Mistral 4: YaRN)
         raw = with_defaults(raw)
@@ -150,6 +161,12 @@ class ModelArgs:
                 index_head_dim=cfg.index_head_dim,
                 index_topk=int(raw["index_topk"]) if cfg.index_n_heads else 0,
                 indexer_layers=tuple(cfg.has_indexer(i) for i in range(cfg.num_hidden_layers)),
+                rope_layers=cfg.rope_layers or (),
+                kv_sources=cfg.kv_sources or (),
+                softmax_scaling=t.softmax_scaling,
+                lerope=t.lerope,
+                logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0) if t.logit_softcapping else 0.0,
+                fp32_router=t.fp32_router,
             )
 
 

@@ -72,6 +72,8 @@ class MlaType:
     """learned rotary frequencies: inv_freq * exp(alpha), `model.rotary_emb.alpha` (LeRoPE)"""
     logit_softcapping: bool = False
     """reads `final_logit_softcapping`: logits = tanh(logits / cap) * cap"""
+    fp32_router: bool = False
+    """the model keeps the router's weight in float32 whatever the dtype it runs in (_keep_in_fp32_modules_strict)"""
     wrapped_only: str | None = None
     """why the type alone is refused where it is read only as a multimodal wrapper's text tower"""
 
@@ -136,7 +138,7 @@ TYPES: dict[str, MlaType] = {
              index_n_heads=32, final_logit_softcapping=30.0),
         scoring="softmax", correction_bias=False, hard_coded={"norm_topk_prob": True}, mlp_layer_types=True,
         indexer=True, shared_indexers=True, q_lora=False, nope_layers=True, kv_sharing=True, softmax_scaling=True,
-        lerope=True, logit_softcapping=True,
+        lerope=True, logit_softcapping=True, fp32_router=True,
         default_rope={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2048.0,
                       "original_max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0,
                       "attention_factor": 1.0},
