@@ -99,7 +99,8 @@ PROVEN: tuple[Proven, ...] = (
     Proven("Mistral Large 4 (`mistral_large4`): its text model (`mistral_large4_text`), vision tower and projector "
            "passed through", ("mistral_large4",), "yes; vision tower and projector unchanged",
            "1, 2, 4 (vision tower and projector whole on rank 0)",
-           "byte for byte (Mistral's names, the whole file; transformers' own: experts one by one)",
+           "byte for byte (Mistral's names, the whole file; transformers' own: experts one by one, named as "
+           "transformers stacks them on load)",
            "mp 1, 2 (as transformers' MistralLarge4ForConditionalGeneration), both spellings",
            "GLM-5's DSA without a query LoRA: NoPE layers (`no_rope_layers`), latent KV shared across layers "
            "(`kv_source_layers`: reusing layers hold no `kv_a_proj_with_mqa` and read their source's cache), "
@@ -112,6 +113,7 @@ PROVEN: tuple[Proven, ...] = (
             "test_mistral_large4.py::test_what_large4_adds_moves_the_logits_the_comparison_checks",
             "test_mistral_large4.py::test_both_spellings_shard_to_the_same_text_tower_and_rank0_carries_the_rest",
             "test_mistral_large4.py::test_merge_gives_each_spelling_back",
+            "test_mistral_large4.py::test_hf_outputs_load_in_transformers_as_the_model_they_came_from",
             "test_mistral_large4.py::test_expected_shapes_are_what_transformers_saved",
             "test_mistral_large4.py::test_layers_read_as_the_class_derives_them",
             "test_mistral_large4.py::test_configs_transformers_would_read_otherwise_are_refused")),

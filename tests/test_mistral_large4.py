@@ -112,7 +112,7 @@ def test_both_spellings_shard_to_the_same_text_tower_and_rank0_carries_the_rest(
 @pytest.mark.parametrize("mp", [1, 4])
 def test_merge_gives_each_spelling_back(large4, tmp_path, mp):
     """Mistral's names come back byte for byte, file and all; transformers' own come back tensor for tensor with
-    their stacked experts one by one, as for every family."""
+    their stacked experts one by one, under the names transformers stacks on load (Mistral's `experts.E.w1`)."""
     run_cli("shard", large4["mistral"], tmp_path / "mp", "--mp", mp, "--quiet")
     run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--quiet")
     assert (large4["mistral"] / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
@@ -123,8 +123,8 @@ def test_merge_gives_each_spelling_back(large4, tmp_path, mp):
         p = f"model.language_model.layers.{layer}.mlp.experts."
         gate_up, down = original.pop(p + "gate_up_proj"), original.pop(p + "down_proj")
         for e in range(4):
-            original.update({f"{p}{e}.gate_proj.weight": gate_up[e, :32], f"{p}{e}.up_proj.weight": gate_up[e, 32:],
-                             f"{p}{e}.down_proj.weight": down[e]})
+            q = f"model.language_model.layers.{layer}.experts.{e}."
+            original.update({q + "w1.weight": gate_up[e, :32], q + "w3.weight": gate_up[e, 32:], q + "w2.weight": down[e]})
     assert original.keys() == merged.keys()
     assert all(t.dtype == merged[n].dtype and torch.equal(t, merged[n]) for n, t in original.items())
 
@@ -226,3 +226,18 @@ def test_the_published_draft_head_passes_through_on_rank0(large4, tmp_path):
     run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--quiet")
     merged = _tensors(tmp_path / "hf")
     assert merged.keys() == tensors.keys() and all(torch.equal(t, merged[n]) for n, t in tensors.items())
+
+
+@pytest.mark.parametrize("spelling", ["mistral", "transformers"])
+def test_hf_outputs_load_in_transformers_as_the_model_they_came_from(large4, tmp_path, spelling):
+    """convert's HF output (and merge's, which writes the same names) loads into transformers' model with nothing
+    missing or left over, giving the original's logits: experts written one by one take the names transformers
+    stacks on load, in either spelling."""
+    run_cli("convert", large4[spelling], tmp_path / "hf", "--quiet")
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        original = transformers.AutoModelForImageTextToText.from_pretrained(large4["mistral"], dtype=torch.float32)
+        converted, info = transformers.AutoModelForImageTextToText.from_pretrained(
+            tmp_path / "hf", dtype=torch.float32, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        assert torch.equal(converted(tokens).logits, original(tokens).logits)

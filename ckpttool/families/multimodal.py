@@ -37,14 +37,14 @@ class Spelling:
     passthrough: tuple[str, ...]
     """prefixes of the parts carried unchanged"""
     names: tuple[tuple[str, str], ...] = ()
-    """(the text family's name template, this spelling's), where a spelling names the text tower's tensors one
-    by one rather than under a prefix (Mistral's own names: `layers.{layer}.attention.wq.weight`); such a
-    spelling names nothing of the text tower but these"""
+    """(the text family's name template, this spelling's): tensors named one by one rather than under a prefix
+    (Mistral's own names: `layers.{layer}.attention.wq.weight`), before the prefixes; a spelling with names but
+    no prefixes names nothing of the text tower but these"""
 
     def wrap(self, name: str) -> str | None:
-        """A text family's HF name (or template) in this spelling (None: one a `names` spelling has no name for)."""
-        if self.names:
-            return _respell(name, self.names, 0)
+        """A text family's HF name (or template) in this spelling (None: one a spelling of names only lacks)."""
+        if self.names and ((spelled := _respell(name, self.names, 0)) is not None or not self.text):
+            return spelled
         for plain, spelled in self.text:
             if name.startswith(plain):
                 return spelled + name[len(plain):]
@@ -52,8 +52,8 @@ class Spelling:
 
     def unwrap(self, name: str) -> str | None:
         """The text family's name of one of this spelling's text tower names; None for any other name."""
-        if self.names:
-            return _respell(name, self.names, 1)
+        if self.names and ((plain := _respell(name, self.names, 1)) is not None or not self.text):
+            return plain
         for plain, spelled in self.text:
             if name.startswith(spelled):
                 return plain + name[len(spelled):]
@@ -297,10 +297,20 @@ _HUB_TEXT = (("model.", "language_model.model."), ("lm_head.", "language_model.l
 _TRANSFORMERS_TEXT = (("model.", "model.language_model."), ("lm_head.", "lm_head."))
 
 
+_MISTRAL_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+
+
+def _mistral_experts(prefix: str) -> tuple[tuple[str, str], ...]:
+    """Routed experts one by one in Mistral's names (`experts.{expert}.w1`), under `prefix`: the only per-expert
+    names transformers' conversion_mapping stacks into its `mlp.experts.gate_up_proj` on load."""
+    return tuple((f"model.layers.{{layer}}.mlp.experts.{{expert}}.{a}.weight",
+                  f"{prefix}layers.{{layer}}.experts.{{expert}}.{b}.weight") for a, b in _MISTRAL_MLP)
+
+
 def _mistral_names() -> tuple[tuple[str, str], ...]:
     """Mistral's own names of Mistral Large 4's text tower (what its hub checkpoint and transformers 5.24's
     save_pretrained write; transformers' conversion_mapping reads them), against the MLA family's names."""
-    mlp = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+    mlp = _MISTRAL_MLP
     indexer = [(f"{n}.{leaf}", f"{n}.{leaf}") for n in ("wq_b", "wk", "weights_proj", "k_norm", "q_input_norm")
                for leaf in ("weight", "bias") if leaf == "weight" or n.endswith("norm")]
     layer = [("input_layernorm.weight", "attention_norm.weight"),
@@ -316,11 +326,10 @@ def _mistral_names() -> tuple[tuple[str, str], ...]:
              ("self_attn.indexer.softmax_scaling.scale", "attention.indexer.ssmax_scaling.s"),
              ("self_attn.indexer.softmax_scaling.bias", "attention.indexer.ssmax_scaling.b"),
              *((f"mlp.{a}.weight", f"feed_forward.{b}.weight") for a, b in mlp),
-             *((f"mlp.shared_experts.{a}.weight", f"shared_experts.{b}.weight") for a, b in mlp),
-             *((f"mlp.experts.{{expert}}.{a}.weight", f"experts.{{expert}}.{b}.weight") for a, b in mlp)]
+             *((f"mlp.shared_experts.{a}.weight", f"shared_experts.{b}.weight") for a, b in mlp)]
     return (("model.embed_tokens.weight", "tok_embeddings.weight"), ("model.norm.weight", "norm.weight"),
             ("lm_head.weight", "output.weight"), ("model.rotary_emb.alpha", "lerope.alpha"),
-            *((f"model.layers.{{layer}}.{a}", f"layers.{{layer}}.{b}") for a, b in layer))
+            *((f"model.layers.{{layer}}.{a}", f"layers.{{layer}}.{b}") for a, b in layer), *_mistral_experts(""))
 
 
 WRAPPERS: tuple[Wrapper, ...] = (
@@ -358,8 +367,12 @@ WRAPPERS: tuple[Wrapper, ...] = (
             Spelling("Mistral's own (the hub's, and transformers 5.24's save_pretrained)", (),
                      passthrough=("vision_encoder.", "pre_mm_projector_norm.", "patch_merger.",
                                   "vision_language_adapter.", "mtp_dspark."), names=_mistral_names()),
+            # transformers' own names hold the experts stacked; read one by one (and so written by merge and HF
+            # outputs) they take Mistral's expert names, which transformers stacks on load: its own per-expert
+            # names (mlp.experts.E.gate_proj) it would leave unloaded
             Spelling("transformers' (save_original_format=False)", _TRANSFORMERS_TEXT,
-                     passthrough=("model.vision_tower.", "model.multi_modal_projector.")),
+                     passthrough=("model.vision_tower.", "model.multi_modal_projector."),
+                     names=_mistral_experts("model.language_model.")),
         ),
         defaults={"tie_word_embeddings": False}),
 )
