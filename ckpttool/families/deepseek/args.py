@@ -1,5 +1,5 @@
-"""Model arguments for the bundled MLA model (DeepSeek V2/V3/V3.2, Kimi-K2, GLM-5, Mistral 4), read from the
-HF config.json beside the shards, through the model type's row (types.py).
+"""Model arguments for the bundled MLA model (DeepSeek V2/V3/V3.2, Kimi-K2, GLM-5, Mistral 4, Large 4), read
+from the HF config.json beside the shards, through the model type's row (types.py).
 
 Where the reference model.py (shared/seeds) and transformers' DeepseekV2/V3 disagree, we follow
 transformers, because verify's oracle test compares against it:

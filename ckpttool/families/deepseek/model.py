@@ -1,4 +1,4 @@
-"""The MLA transformer (DeepSeek V2/V3/V3.2, Kimi-K2, GLM-5, Mistral 4: MLA + MoE) with tensor/expert
+"""The MLA transformer (DeepSeek V2/V3/V3.2, Kimi-K2, GLM-5, Mistral 4, Large 4: MLA + MoE) with tensor/expert
 parallelism, for verify.
 
 Parameter names are exactly those of the reference model.py, so `model{i}-mp{N}.safetensors` loads

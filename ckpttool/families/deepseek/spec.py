@@ -1,5 +1,6 @@
-"""The MLA family (DeepSeek V2 / V3 / V3.2, Kimi-K2, GLM-5, Mistral 4): config, tensor shapes and the HF <->
-reference-mp key table. Each model type's differences are a row of types.py, read here by one code path.
+"""The MLA family (DeepSeek V2 / V3 / V3.2, Kimi-K2, GLM-5, Mistral 4, Mistral Large 4): config, tensor shapes
+and the HF <-> reference-mp key table. Each model type's differences are a row of types.py, read here by one
+code path.
 
 The key table carries rename and shard together, exactly as the reference convert.py does:
 `(hf template, native template, split)` where split is a dim to cut for tensor parallelism,
