@@ -96,6 +96,27 @@ PROVEN: tuple[Proven, ...] = (
             "test_minimax_m3.py::test_verify_refuses_what_the_indexer_would_not_keep_whole",
             "test_minimax_m3.py::test_plan_inspect_and_refusals_say_why",
             "test_minimax_m3.py::test_config_is_read_as_minimaxm3vltextconfig_reads_it")),
+    Proven("Mistral Large 4 (`mistral_large4`): its text model (`mistral_large4_text`), vision tower and projector "
+           "passed through", ("mistral_large4",), "yes; vision tower and projector unchanged",
+           "1, 2, 4 (vision tower and projector whole on rank 0)",
+           "byte for byte (Mistral's names, the whole file; transformers' own: experts one by one, named as "
+           "transformers stacks them on load)",
+           "mp 1, 2 (as transformers' MistralLarge4ForConditionalGeneration), both spellings",
+           "GLM-5's DSA without a query LoRA: NoPE layers (`no_rope_layers`), latent KV shared across layers "
+           "(`kv_source_layers`: reusing layers hold no `kv_a_proj_with_mqa` and read their source's cache), "
+           "shared-indexer layers, per-head softmax scaling cut with the heads, LeRoPE's `rotary_emb.alpha` (float32) "
+           "and the indexers replicated, `final_logit_softcapping`, the router kept in float32; dense attention within "
+           "`index_topk` (longer is refused), `--attn naive` refused; read in Mistral's own names (the hub's and "
+           "save_pretrained's) and transformers' own. Refused: the text model alone, a `kv_source_layers` transformers "
+           "would read otherwise",
+           ("test_mistral_large4.py::test_shard_then_verify_gives_transformers_greedy_tokens",
+            "test_mistral_large4.py::test_what_large4_adds_moves_the_logits_the_comparison_checks",
+            "test_mistral_large4.py::test_both_spellings_shard_to_the_same_text_tower_and_rank0_carries_the_rest",
+            "test_mistral_large4.py::test_merge_gives_each_spelling_back",
+            "test_mistral_large4.py::test_hf_outputs_load_in_transformers_as_the_model_they_came_from",
+            "test_mistral_large4.py::test_expected_shapes_are_what_transformers_saved",
+            "test_mistral_large4.py::test_layers_read_as_the_class_derives_them",
+            "test_mistral_large4.py::test_configs_transformers_would_read_otherwise_are_refused")),
     Proven("DeepSeek-V2 / V2-Lite (`deepseek_v2`)", ("deepseek_v2",), "yes", "1, 2, 4", "tensor for tensor",
            "mp 1, 2, 4", "",
            ("test_convert.py::test_shard_bf16_v2_lite_equals_reference",
