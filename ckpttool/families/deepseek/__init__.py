@@ -5,15 +5,10 @@ families/base.py describes."""
 
 from __future__ import annotations
 
-from ckpttool.families.base import Family, Verifier
+from ckpttool.families.base import Family
+from ckpttool.families.lazy import verifier_in
 from ckpttool.families.deepseek import spec
 from ckpttool.families.deepseek.types import TYPES
-
-
-def _verifier() -> Verifier:
-    from ckpttool.families.deepseek.weights import VERIFIER
-
-    return VERIFIER
 
 
 FAMILY = Family(
@@ -26,7 +21,7 @@ FAMILY = Family(
     num_experts=lambda cfg: cfg.n_routed_experts,
     vocab_size=lambda cfg: cfg.vocab_size,
     check_mp=spec.check_mp,
-    verifier=_verifier,
+    verifier=verifier_in(__name__),
     mtp_config_key="num_nextn_predict_layers",
     explicit_config=spec.explicit_config,
     buffers=("e_score_correction_bias",),  # a registered buffer in transformers' routers
