@@ -189,7 +189,8 @@ def cuda_call_times(fn, calls: int = 20) -> dict[str, float]:
 
 def chunk(name: str, x, s, dtype: str, global_scale: float) -> Chunk:
     """A row's kernel input: values, their scale rows and (NVFP4) the global scale, unused by the other rows."""
-    scale_dtype = "U8" if s.dtype == torch.uint8 and "U8" in BY_NAME[name].side("scale").dtypes \
+    byte_scale = s.dtype in (torch.uint8, np.uint8)  # numpy carriers on the CPU, tensors on CUDA
+    scale_dtype = "U8" if byte_scale and "U8" in BY_NAME[name].side("scale").dtypes \
         else BY_NAME[name].side("scale").dtypes[0]
     return Chunk(x, dtype, {"scale": s}, {"scale": scale_dtype}, global_scale)
 
