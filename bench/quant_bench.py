@@ -159,6 +159,9 @@ def packed_chunk(name: str, rows: int, cols: int, gen: np.random.Generator) -> t
 
 
 def carrier(t: torch.Tensor) -> np.ndarray:
+    """The array a Chunk carries for a tensor (dtypes.CARRIERS): F16 as numpy's float16, BF16 as uint16 bits."""
+    if t.dtype == torch.float16:
+        return t.numpy()
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).numpy().view(
         {1: np.uint8, 2: np.uint16, 4: np.int32 if t.dtype == torch.int32 else np.float32}[t.element_size()])
 
