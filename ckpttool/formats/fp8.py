@@ -32,7 +32,7 @@ from ckpttool.formats.resolve import Rule
 from ckpttool.formats.row import DROPPED, WHOLE, Chunk, Name, QuantFormat, Side
 from ckpttool.kernels import grouped, scaled_cpu
 from ckpttool.kernels.fp8 import FP8_DTYPES
-from ckpttool.kernels.fp8_cpu import NAN_ABOVE, NaNCodes, fp8_values, value_tables
+from ckpttool.kernels.fp8_cpu import NAN_ABOVE, NaNCodes, dequant_scaled, fp8_values, value_tables
 from ckpttool.kernels.fp8_gather import nan_row
 
 METHODS = ("fp8", "fbgemm_fp8")
@@ -64,6 +64,10 @@ def _block_cpu(block: tuple[int, int]):
         result = np.empty((rows, cols), dtype=np.dtype(f"u{2 if out != 'F32' else 4}")) if into is None \
             else into.view(np.dtype(f"u{2 if out != 'F32' else 4}")).reshape(rows, cols)
         if not result.size:
+            return result
+        # F32 scales of small blocks (1x128, 1x32, 32x32): a table per scale would cost more than its elements
+        if c.side_dtypes["scale"] not in E8M0 and scale.size * 256 * 8 > result.size and \
+                dequant_scaled(codes, scale, c.dtype, "F32", out, result, b0=block[0], group=block[1]):
             return result
         bad = nan_row(codes, NAN_ABOVE[c.dtype])
         if bad >= 0:

@@ -49,6 +49,7 @@ _SIGNATURES = {
     **{f"ckpttool_packed_cols_{t}": ([_P, _I64, _I64, _I64, _I64, ctypes.c_int32, _P, _I64, _P, _P, _P, _P, _I64], None)
        for t in ("u16", "u32")},  # kernels/packed.py (GPTQ, AWQ), which checks their arguments
     **{f"ckpttool_packed_rows_{t}": ([_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64], None) for t in ("u16", "u32")},
+    "ckpttool_fp8_scaled": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int32], _I64),
     "ckpttool_simd_level": ([], ctypes.c_int32),
     "ckpttool_packed_f16c_ok": ([], ctypes.c_int32),  # kernels/packed.py's computed loops, which check their arguments
     "ckpttool_packed_lanes": ([_P, _I64, _I64, ctypes.c_int32, _P, _P, ctypes.c_uint32, _I64, _P, ctypes.c_int32, _P,
@@ -178,6 +179,20 @@ def fp8_rows(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.n
 
 def fp8_rows_plain(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray) -> None:
     getattr(_load(), f"ckpttool_fp8_rows_{_SUFFIX[tables.dtype]}_plain")(*_fp8_rows_args(codes, tables, which, out))
+
+
+def fp8_scaled(codes: np.ndarray, scales: np.ndarray, out: np.ndarray, b0: int, group: int, kind: int) -> int:
+    """fp8_cpu.dequant_scaled in C (native/fp8_scaled.c): e4m3 codes [rows, cols] times float32 scales
+    [ceil(rows / b0), ceil(cols / group)] per element into out's words (kind 0-1 uint16, 2-3 uint32). Returns the
+    first row holding a NaN code, -1 if none, -2 where the CPU has no AVX2 and F16C (nothing written)."""
+    rows, cols = codes.shape
+    if b0 < 1 or group < 1 or kind not in (0, 1, 2, 3):
+        raise ValueError(f"fp8_scaled: b0 {b0}, group {group}, kind {kind}")
+    word = np.uint32 if kind >= 2 else np.uint16
+    s_stride = _rows(scales, np.float32, "scales", (-(-rows // b0), -(-cols // group)))
+    return _load().ckpttool_fp8_scaled(codes.ctypes.data, _rows(codes, np.uint8, "codes"), scales.ctypes.data, s_stride,
+                                       out.ctypes.data, _rows(out, word, "out", (rows, cols)), rows, cols, b0, group,
+                                       kind)
 
 
 def int4_bf16(packed: np.ndarray, scale: np.ndarray, group: int, out: np.ndarray) -> int:
