@@ -190,9 +190,11 @@ def test_mxfp4_every_scale_and_byte_equals_compressed_tensors(cpu_kernels):
         assert (ours.view(np.uint8) == carrier(ref.to(OUT[out])).view(np.uint8)).all(), out
 
 
-def test_fp16_product_tables_are_numpys_fp16_multiply_for_every_fp16_scale(cpu_kernels):
-    """fp8_cpu.library_tables for F16 scales, compiled (C, numba: float16 rounding in integers and float32) or
-    numpy's float16 casts: fp16 scales of either sign times every q - z and every e4m3 value."""
+def test_fp16_product_tables_are_numpys_fp16_multiply_for_every_fp16_scale(cpu_kernels, monkeypatch):
+    """fp8_cpu.library_tables for F16 scales, compiled (C: F16C's conversions at CKPTTOOL_SIMD 2, float16 rounding
+    in integers and float32 below; numba: the latter) or numpy's float16 casts: fp16 scales of either sign times
+    every q - z and every e4m3 value (its NaN codes too: both C loops give a NaN product the same bits)."""
+    from ckpttool.kernels import native
     from ckpttool.kernels.fp8_cpu import fp8_values, library_tables
 
     fp8 = fp8_values("F8_E4M3")
@@ -202,11 +204,17 @@ def test_fp16_product_tables_are_numpys_fp16_multiply_for_every_fp16_scale(cpu_k
     scale = np.concatenate([magnitudes, -magnitudes[::61]]).astype(np.float32)
     with np.errstate(over="ignore"):
         product = (values[None, :] * scale[:, None]).astype(np.float16)  # the same: the fp32 product is exact
-    for out in OUT:
-        ours = library_tables(values, scale, "F16", out)
-        want = product.view(np.uint16) if out == "F16" else carrier(torch.from_numpy(product.astype(np.float32)).to(
-            OUT[out]))
-        assert ours.dtype.itemsize == want.dtype.itemsize and (ours.view(want.dtype) == want).all(), out
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        for out in OUT:
+            ours = library_tables(values, scale, "F16", out)
+            want = product.view(np.uint16) if out == "F16" else carrier(torch.from_numpy(product.astype(np.float32)).to(
+                OUT[out]))
+            assert ours.dtype.itemsize == want.dtype.itemsize and (ours.view(want.dtype) == want).all(), (level, out)
+        nan = library_tables(fp8, scale[:64], "F16", "BF16")  # e4m3's NaN codes: the scalar loop's bits in every loop
+        monkeypatch.setenv("CKPTTOOL_SIMD", "0")
+        assert (nan == library_tables(fp8, scale[:64], "F16", "BF16")).all() and np.isnan(fp8).any()
 
 
 def test_zero_points_outside_the_rows_bits_and_act_order_outside_its_groups_are_named():

@@ -37,7 +37,7 @@ _SIGNATURES = {
     "ckpttool_int4_bf16_pairs": ([_P, _I64, _P], None),
     "ckpttool_int4_by_pairs": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64], None),
     "ckpttool_distinct16": ([_P, _I64, _P, _P, _P], _I64),
-    "ckpttool_f16_tables": ([_P, _I64, _P, _I64, _P, ctypes.c_int32], None),
+    "ckpttool_f16_tables": ([_P, _I64, _P, _I64, _P, ctypes.c_int32, ctypes.c_int32], None),
     **{f"ckpttool_mxfp4_transposed_{t}": ([_P, _P, _P, _P, _I64, _I64, _I64], None) for t in ("u16", "u32")},
     **{f"ckpttool_nvfp4_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64], None) for t in ("u32", "u64")},
     **{f"ckpttool_grouped_{t}_{w}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
@@ -137,7 +137,7 @@ def f16_tables(values: np.ndarray, scales: np.ndarray, out: np.ndarray, kind: st
         if a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
             raise ValueError(f"f16_tables: a contiguous {np.dtype(dtype)} {shape}, not {a.dtype} {a.shape}")
     _load().ckpttool_f16_tables(values.ctypes.data, n, scales.ctypes.data, m, out.ctypes.data,
-                                {"F16": 0, "BF16": 1, "F32": 2}[kind])
+                                {"F16": 0, "BF16": 1, "F32": 2}[kind], simd())
 
 
 def mxfp4_transposed(blocks: np.ndarray, scales: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
