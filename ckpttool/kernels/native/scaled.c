@@ -7,6 +7,12 @@
 
 #include "bf16.h"
 
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)0)
+#endif
+
 /* out[i, j] = tables[which[i], codes[i, j]]; the first row whose output holds bits above `inf` under
  * `mask` (a NaN), or -1 (the row is written whole first). */
 #define FP8_ROWS(NAME, T)                                                                               \
@@ -35,7 +41,14 @@
             const T *restrict t = tables + ((int64_t)which[i] << 8);                                    \
             const uint8_t *restrict c = codes + i * code_stride;                                        \
             T *restrict o = out + i * out_stride;                                                       \
-            for (int64_t j = 0; j < cols; j++) o[j] = t[c[j]];                                          \
+            int64_t j = 0;                                                                              \
+            /* thousands of scales' tables leave L2: the next row's is fetched while this row runs */    \
+            if (i + 1 < rows)                                                                           \
+                for (int64_t k = 0; k < 256 * (int64_t)sizeof(T); k += 64)                              \
+                    PREFETCH((const char *)(tables + ((int64_t)which[i + 1] << 8)) + k);               \
+            for (; j + 128 <= cols; j += 128) /* fp8.c's constant trip count, which gcc unrolls */      \
+                for (int q = 0; q < 128; q++) o[j + q] = t[c[j + q]];                                   \
+            for (; j < cols; j++) o[j] = t[c[j]];                                                       \
         }                                                                                               \
     }
 
