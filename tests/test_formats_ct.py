@@ -137,8 +137,12 @@ def test_a_group_index_of_minus_one_reads_columns_in_order(cpu_kernels):
     (fp8_block_row(32, 48), "block", dict(block_structure=[32, 48]), (3, 4)),  # partial blocks, as the library pads
     (fp8_group_row(32), "group", dict(group_size=32), (96, 5)),
     (CT_FP8_CHANNEL, "channel", {}, (96, 1)), (CT_FP8_TENSOR, "tensor", {}, (1,))])
-def test_fp8_groups_blocks_and_float_scales_equal_compressed_tensors(row, strategy, extra, shape, sdt, cpu_kernels):
+def test_fp8_groups_blocks_and_float_scales_equal_compressed_tensors(row, strategy, extra, shape, sdt, cpu_kernels,
+                                                                     monkeypatch):
+    """In every loop: C at each SIMD level (2: native/fp8_scaled.c's lookup for BF16 out, below it the tables)."""
     from compressed_tensors.compressors.base import BaseCompressor
+
+    from ckpttool.kernels import native
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     gen = torch.Generator().manual_seed(11)
@@ -150,7 +154,10 @@ def test_fp8_groups_blocks_and_float_scales_equal_compressed_tensors(row, strate
     ref = BaseCompressor.get_value_from_registry("float-quantized").decompress(
         {"weight": codes.view(torch.float8_e4m3fn), "weight_scale": scale},
         QuantizationScheme(targets=["Linear"], weights=args))["weight"]
-    same(row, codes.numpy(), "F8_E4M3", {"scale": carrier(scale)}, sdt, ref)
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        same(row, codes.numpy(), "F8_E4M3", {"scale": carrier(scale)}, sdt, ref)
 
 
 def test_fp8_block_nan_codes_are_refused_naming_the_row(cpu_kernels):

@@ -65,9 +65,12 @@ def _block_cpu(block: tuple[int, int]):
             else into.view(np.dtype(f"u{2 if out != 'F32' else 4}")).reshape(rows, cols)
         if not result.size:
             return result
-        # F32 scales of small blocks (1x128, 1x32, 32x32): a table per scale would cost more than its elements
-        if c.side_dtypes["scale"] not in E8M0 and scale.size * 256 * 8 > result.size and \
-                dequant_scaled(codes, scale, c.dtype, "F32", out, result, b0=block[0], group=block[1]):
+        # computed per element (BF16: a lookup per group, 2x the tables' gather), or for F32 out where a table per
+        # scale would cost more than its elements (1x128, 1x32, 32x32 F32 blocks)
+        e8m0 = c.side_dtypes["scale"] in E8M0
+        if (out == "BF16" or (not e8m0 and scale.size * 256 * 8 > result.size)) and dequant_scaled(
+                codes, _E8M0_F32[scale.view(np.uint8)] if e8m0 else scale, c.dtype, "F32", out, result, b0=block[0],
+                group=block[1]):
             return result
         bad = nan_row(codes, NAN_ABOVE[c.dtype])
         if bad >= 0:
@@ -81,6 +84,11 @@ def _block_cpu(block: tuple[int, int]):
         grouped.gather(codes, which, tables, block[1], result)
         return result
     return cpu
+
+
+with np.errstate(over="ignore"):
+    _E8M0_F32 = np.ldexp(np.float32(1.0), np.arange(256) - 127).astype(np.float32)
+_E8M0_F32[255] = np.nan  # refused by the scale check before a kernel runs (dequant_scaled then declines)
 
 
 def _distinct_tables(scale: np.ndarray, fmt: str, out: str) -> tuple[np.ndarray, np.ndarray]:

@@ -152,9 +152,10 @@ def dequant_scaled(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype: 
     """Fill `out` [rows, cols] (out_dtype's carrier) with FP8 `codes` times float32 `scale` [ceil(rows / b0),
     ceil(cols / group)] computed per element, each product and rounding as library_tables makes a table entry
     (scale_dtype says the library's multiply), NaN codes refused (NaNCodes) in the same pass: native/fp8_scaled.c's
-    AVX2 loop, for rows whose scales are too many for a table each (one per 1x128 or 1x32 group, or per F32 row).
-    False where it does not run (no C loops, CKPTTOOL_SIMD below 2, no AVX2 and F16C, not e4m3, an F16 output, a
-    scale not finite): the caller gathers from tables."""
+    AVX2 loops. For BF16 out with BF16/F32/E8M0 scales a lookup of 16 entries per group, about 2x the table gather
+    of FP8 block per output byte; else float32 lanes, which beat the tables only where each 1x128 or 1x32 group has
+    its own F32 scale. False where it does not run (no C loops, CKPTTOOL_SIMD below 2, no AVX2 and F16C, not e4m3,
+    an F16 output, a scale not finite): the caller gathers from tables."""
     if fmt != "F8_E4M3" or out_dtype not in ("BF16", "F32") or native.library() is None or native.simd() < 2 \
             or not codes.size or not np.isfinite(scale).all():
         return False

@@ -26,8 +26,8 @@ import numpy as np
 from ckpttool.dtypes import CARRIERS
 from ckpttool.kernels import native, scaled_numba
 from ckpttool.kernels.fp8_gather import first_nan_row, nan_row
-from ckpttool.kernels.fp8_cpu import INF_BITS, NAN_ABOVE, NaNCodes, fp8_library_tables, round_to_bf16, \
-    value_tables
+from ckpttool.kernels.fp8_cpu import INF_BITS, NAN_ABOVE, NaNCodes, dequant_scaled, fp8_library_tables, \
+    round_to_bf16, value_tables
 from ckpttool.kernels.mxfp4_cpu import gather_words, pair_words
 
 _STEP_ELEMENTS = 1 << 20  # output elements per step: temporaries of 4 MiB, in L2 (as kernels/fp8_cpu.py)
@@ -159,6 +159,12 @@ def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype
     distinct scale's 256 outputs computed once (kernels/fp8_cpu's own tables: the fp32 product, then
     the rounding), then each row gathered by code from its scale's table, by a compiled loop or by numpy."""
     rows, cols = codes.shape
+    if out == "BF16" and scale_dtype != "F16" and rows and cols:  # computed per element: one lookup per row
+        result = np.empty((rows, cols), dtype=np.uint16)
+        per_row = scale.size == rows
+        if dequant_scaled(codes, scale_f32(scale.reshape(-1, 1), scale_dtype), fmt, scale_dtype, out, result,
+                          b0=1 if per_row else rows, group=cols):
+            return result
     values, which = distinct(scale.reshape(-1))
     distinct_f32 = scale_f32(values, scale_dtype)
     # the library's product: in fp16 first for F16 scales (fp8_cpu.library_tables)
