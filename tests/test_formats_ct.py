@@ -63,9 +63,13 @@ def scales(shape, sdt, gen) -> torch.Tensor:
 @pytest.mark.parametrize("storage, bits", [("pack", 4), ("pack", 8), ("int", 8)])
 @pytest.mark.parametrize("strategy", ["group", "channel", "tensor"])
 @pytest.mark.parametrize("asym", [False, True])
-def test_integers_with_zero_points_equal_compressed_tensors(storage, bits, strategy, asym, sdt, cpu_kernels):
-    """Every code against every zero point, edge scales in the model's dtype."""
+def test_integers_with_zero_points_equal_compressed_tensors(storage, bits, strategy, asym, sdt, cpu_kernels,
+                                                            monkeypatch):
+    """Every code against every zero point, edge scales in the model's dtype; C at each SIMD level (2: 4-bit rows
+    to BF16 by a 16-entry lookup per group, native/fp8_scaled.c; below it the tables' windows)."""
     from compressed_tensors.compressors.base import BaseCompressor
+
+    from ckpttool.kernels import native
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -92,8 +96,11 @@ def test_integers_with_zero_points_equal_compressed_tensors(storage, bits, strat
     assert ref.dtype == sdt
     sides = {"scale": carrier(scale), **({"zero": stored["weight_zero_point"].numpy()} if asym else {})}
     values = stored["weight_packed" if storage == "pack" else "weight"].numpy()
-    same(int_row(storage, bits, strategy, group, asym, False), values, "I32" if storage == "pack" else "I8", sides,
-         sdt, ref)
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        same(int_row(storage, bits, strategy, group, asym, False), values, "I32" if storage == "pack" else "I8", sides,
+             sdt, ref)
 
 
 @pytest.mark.parametrize("sdt", list(SDT))

@@ -50,6 +50,7 @@ _SIGNATURES = {
        for t in ("u16", "u32")},  # kernels/packed.py (GPTQ, AWQ), which checks their arguments
     **{f"ckpttool_packed_rows_{t}": ([_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64], None) for t in ("u16", "u32")},
     "ckpttool_fp8_scaled": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int32], _I64),
+    "ckpttool_int4_lut_bf16": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, ctypes.c_int32, _P, _I64], _I64),
     "ckpttool_simd_level": ([], ctypes.c_int32),
     "ckpttool_packed_f16c_ok": ([], ctypes.c_int32),  # kernels/packed.py's computed loops, which check their arguments
     "ckpttool_packed_lanes": ([_P, _I64, _I64, ctypes.c_int32, _P, _P, ctypes.c_uint32, _I64, _P, ctypes.c_int32, _P,
@@ -193,6 +194,29 @@ def fp8_scaled(codes: np.ndarray, scales: np.ndarray, out: np.ndarray, b0: int, 
     return _load().ckpttool_fp8_scaled(codes.ctypes.data, _rows(codes, np.uint8, "codes"), scales.ctypes.data, s_stride,
                                        out.ctypes.data, _rows(out, word, "out", (rows, cols)), rows, cols, b0, group,
                                        kind)
+
+
+def _broadcast_rows(a: np.ndarray, dtype, name: str, shape: tuple[int, int]) -> int:
+    """Row stride (elements) of a 2-D `a` of `dtype` and `shape` whose rows may be one row broadcast (stride 0)."""
+    if a.dtype != dtype or a.shape != shape or (shape[1] > 1 and a.strides[1] != a.itemsize) or a.strides[0] % a.itemsize:
+        raise ValueError(f"{name}: a {np.dtype(dtype)} {shape} array with contiguous rows, not {a.dtype} {a.shape}")
+    return a.strides[0] // a.itemsize
+
+
+def int4_lut_bf16(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group: int, f16: bool,
+                  out: np.ndarray) -> bool:
+    """window.dequant's 4-bit rows to BF16 in C (native/fp8_scaled.c): codes [rows, width] bytes, float32 scales and
+    int32 offset-binary zero codes [rows, groups] (rows may be broadcast), groups of `group` values (a multiple of
+    32) -> out uint16 [rows, 2 * width]. False where the CPU has no AVX2 and F16C (nothing written)."""
+    rows, width = codes.shape
+    if group < 32 or group % 32 or width * 2 % group:
+        raise ValueError(f"int4_lut_bf16: {width} bytes a row in groups of {group}")
+    shape = (rows, width * 2 // group)
+    s_stride = _broadcast_rows(scales, np.float32, "scales", shape)
+    z_stride = _broadcast_rows(zeros, np.int32, "zeros", shape)
+    return _load().ckpttool_int4_lut_bf16(codes.ctypes.data, _rows(codes, np.uint8, "codes"), scales.ctypes.data,
+                                          s_stride, zeros.ctypes.data, z_stride, rows, shape[1], group, int(f16),
+                                          out.ctypes.data, _rows(out, np.uint16, "out", (rows, width * 2))) == 0
 
 
 def int4_bf16(packed: np.ndarray, scale: np.ndarray, group: int, out: np.ndarray) -> int:

@@ -193,6 +193,72 @@ SCALED(scaled_f32, uint32_t, group_f32)
 SCALED(scaled_f32_f16, uint32_t, group_f32_f16)
 #endif
 
+#ifdef FP8S_X86
+/* 4-bit codes (two a byte, low nibble first, offset binary q + 8) with a scale and an offset-binary zero code per
+ * group of `group` values (a multiple of 32) -> BF16: each group's 16 outputs ROUND((q - z) * s) made in two
+ * float32 vectors (one fp32 product, exact for 4-bit differences; rounded to fp16 first where `f16`, a library
+ * multiplying in fp16: window.tables' entries), then each 16 bytes (32 values) four byte shuffles of them, the
+ * low and high bytes of the even and the odd values, interleaved. kernels/window.py's nibble windows, a lookup
+ * of a group's 16 entries instead of a gather from thousands of scales' tables. */
+AVX2 static void int4_lut_bf16(const uint8_t *restrict codes, int64_t code_stride, const float *restrict scales,
+                               int64_t scale_stride, const int32_t *restrict zeros, int64_t zero_stride, int64_t rows,
+                               int64_t groups, int64_t group, int32_t f16, uint16_t *restrict out, int64_t out_stride) {
+    const __m256 q_lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), q_hi = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12,
+                                           14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m128i fifteen = _mm_set1_epi8(15);
+    for (int64_t i = 0; i < rows; i++) {
+        const float *restrict s = scales + i * scale_stride;
+        const int32_t *restrict z = zeros + i * zero_stride;
+        const uint8_t *restrict c = codes + i * code_stride;
+        uint16_t *restrict o = out + i * out_stride;
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256 zv = _mm256_set1_ps((float)z[g]), sv = _mm256_set1_ps(s[g]);
+            __m256 a = _mm256_mul_ps(_mm256_sub_ps(q_lo, zv), sv), b = _mm256_mul_ps(_mm256_sub_ps(q_hi, zv), sv);
+            if (f16) a = via_f16(a), b = via_f16(b);
+            const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(bf16_lanes(a), bf16_lanes(b)), 0xD8);
+            const __m256i bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, split), 0xD8);
+            const __m128i tlo = _mm256_castsi256_si128(bytes), thi = _mm256_extracti128_si256(bytes, 1);
+            const uint8_t *restrict cb = c + g * (group / 2);
+            uint16_t *restrict ob = o + g * group;
+            for (int64_t k = 0; k < group / 2; k += 16) {
+                const __m128i x = _mm_loadu_si128((const __m128i *)(cb + k));
+                const __m128i lo = _mm_and_si128(x, fifteen), hi = _mm_and_si128(_mm_srli_epi16(x, 4), fifteen);
+                const __m128i lo_l = _mm_shuffle_epi8(tlo, lo), lo_h = _mm_shuffle_epi8(thi, lo);
+                const __m128i hi_l = _mm_shuffle_epi8(tlo, hi), hi_h = _mm_shuffle_epi8(thi, hi);
+                /* even values (low nibbles) and odd ones as words, then interleaved in the codes' order */
+                const __m128i e0 = _mm_unpacklo_epi8(lo_l, lo_h), e1 = _mm_unpackhi_epi8(lo_l, lo_h);
+                const __m128i d0 = _mm_unpacklo_epi8(hi_l, hi_h), d1 = _mm_unpackhi_epi8(hi_l, hi_h);
+                _mm_storeu_si128((__m128i *)(ob + 2 * k), _mm_unpacklo_epi16(e0, d0));
+                _mm_storeu_si128((__m128i *)(ob + 2 * k + 8), _mm_unpackhi_epi16(e0, d0));
+                _mm_storeu_si128((__m128i *)(ob + 2 * k + 16), _mm_unpacklo_epi16(e1, d1));
+                _mm_storeu_si128((__m128i *)(ob + 2 * k + 24), _mm_unpackhi_epi16(e1, d1));
+            }
+        }
+    }
+}
+#endif
+
+/* 0 where it ran, -2 where this build or CPU has no AVX2 and F16C loop (nothing written) */
+int64_t ckpttool_int4_lut_bf16(const uint8_t *restrict codes, int64_t code_stride, const float *restrict scales,
+                               int64_t scale_stride, const int32_t *restrict zeros, int64_t zero_stride, int64_t rows,
+                               int64_t groups, int64_t group, int32_t f16, uint16_t *restrict out, int64_t out_stride) {
+#ifdef FP8S_X86
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("f16c")) return -2;
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr & ~0xE040u);
+    int4_lut_bf16(codes, code_stride, scales, scale_stride, zeros, zero_stride, rows, groups, group, f16, out,
+                  out_stride);
+    _mm_setcsr(csr);
+    return 0;
+#else
+    (void)codes, (void)code_stride, (void)scales, (void)scale_stride, (void)zeros, (void)zero_stride, (void)rows;
+    (void)groups, (void)group, (void)f16, (void)out, (void)out_stride;
+    return -2;
+#endif
+}
+
 /* The first row holding a NaN code, -1 where there is none, or -2 where this build or CPU has no AVX2 and F16C loop
  * (nothing written: the caller gathers from tables) */
 int64_t ckpttool_fp8_scaled(const uint8_t *restrict codes, int64_t code_stride, const float *restrict scales,
