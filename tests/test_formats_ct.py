@@ -176,6 +176,23 @@ def test_fp8_block_nan_codes_are_refused_naming_the_row(cpu_kernels):
     assert e.value.row == 41
 
 
+@pytest.mark.parametrize("col", [7, 130])  # in a block of 128 codes, and in a row's tail
+def test_fp8_channel_nan_codes_are_refused_naming_the_row_in_every_loop(col, cpu_kernels, monkeypatch):
+    """Per-row F16 scales take the tables (C: NaN codes found inside the gather, scaled.c's _checked loop)."""
+    from ckpttool.kernels import native
+
+    codes = np.full((64, 200), 0x38, dtype=np.uint8)
+    codes[41, col], codes[50, 3] = 0xFF, 0x7F
+    scale = np.linspace(0.5, 2, 64, dtype=np.float16).reshape(64, 1)
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        for sdt, s in (("F16", scale), ("F32", scale.astype(np.float32))):
+            with pytest.raises(NaNCodes) as e:
+                CT_FP8_CHANNEL.cpu(Chunk(codes, "F8_E4M3", {"scale": s}, {"scale": sdt}), "BF16", None)
+            assert e.value.row == 41, (level, sdt)
+
+
 @pytest.mark.parametrize("sdt", [torch.float16, torch.float32])
 def test_symmetric_int4_with_float_scales_equals_compressed_tensors(sdt, cpu_kernels):
     from compressed_tensors.compressors.base import BaseCompressor

@@ -33,6 +33,8 @@ _SIGNATURES = {
     **{f"ckpttool_fp8_rows_{t}": ([_P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_uint64, ctypes.c_uint64], _I64)
        for t in ("u16", "u32")},
     **{f"ckpttool_fp8_rows_{t}_plain": ([_P, _I64, _P, _P, _P, _I64, _I64, _I64], None) for t in ("u16", "u32")},
+    **{f"ckpttool_fp8_rows_{t}_checked": ([_P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_uint64], _I64)
+       for t in ("u16", "u32")},
     "ckpttool_int4_bf16": ([_P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P], _I64),
     "ckpttool_int4_bf16_pairs": ([_P, _I64, _P], None),
     "ckpttool_int4_by_pairs": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64], None),
@@ -180,6 +182,13 @@ def fp8_rows(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.n
 
 def fp8_rows_plain(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray) -> None:
     getattr(_load(), f"ckpttool_fp8_rows_{_SUFFIX[tables.dtype]}_plain")(*_fp8_rows_args(codes, tables, which, out))
+
+
+def fp8_rows_checked(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray, nan_above: int) -> int:
+    """fp8_rows_plain that also finds NaN codes (magnitude above `nan_above`, fp8_cpu.NAN_ABOVE): the first row
+    holding one, or -1."""
+    fn = getattr(_load(), f"ckpttool_fp8_rows_{_SUFFIX[tables.dtype]}_checked")
+    return fn(*_fp8_rows_args(codes, tables, which, out), (0x7F - nan_above) * 0x0101010101010101)
 
 
 def fp8_scaled(codes: np.ndarray, scales: np.ndarray, out: np.ndarray, b0: int, group: int, kind: int) -> int:

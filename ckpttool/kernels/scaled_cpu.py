@@ -175,10 +175,13 @@ def dequant_fp8_rows(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype
         loops = compiled()
         which = np.ascontiguousarray(which)
         if loops is not None and np.isfinite(distinct_f32).all():
-            # finite scales: an output is NaN exactly where its code is, so the codes are tested first
-            bad = nan_row(codes, NAN_ABOVE[fmt])
-            if bad < 0:
-                loops.fp8_rows_plain(codes, tables, which, result.view(tables.dtype))
+            # finite scales: an output is NaN exactly where its code is, so the codes are tested (C: in the gather)
+            if loops is native.SCALED:
+                bad = native.fp8_rows_checked(codes, tables, which, result.view(tables.dtype), NAN_ABOVE[fmt])
+            else:
+                bad = nan_row(codes, NAN_ABOVE[fmt])
+                if bad < 0:
+                    loops.fp8_rows_plain(codes, tables, which, result.view(tables.dtype))
         else:
             gather = loops.fp8_rows if loops is not None else fp8_rows_numpy
             bad = gather(codes, tables, which, result.view(tables.dtype), *INF_BITS[out])
