@@ -167,13 +167,22 @@ def test_fp8_groups_blocks_and_float_scales_equal_compressed_tensors(row, strate
         same(row, codes.numpy(), "F8_E4M3", {"scale": carrier(scale)}, sdt, ref)
 
 
-def test_fp8_block_nan_codes_are_refused_naming_the_row(cpu_kernels):
+def test_fp8_block_nan_codes_are_refused_naming_the_row(cpu_kernels, monkeypatch):
+    """F32 scales (C at SIMD 2: the per-group lookup) and F16 ones (the tables, C testing codes in its gather), every
+    loop, a NaN code in a whole block and one in a row's partial last block."""
+    from ckpttool.kernels import native
+
     codes = np.full((64, 96), 0x38, dtype=np.uint8)
-    codes[41, 7] = 0xFF
-    with pytest.raises(NaNCodes) as e:
-        fp8_block_row(32, 48).cpu(Chunk(codes, "F8_E4M3", {"scale": np.ones((2, 2), np.float32)}, {"scale": "F32"}),
-                                  "BF16", None)
-    assert e.value.row == 41
+    codes[41, 7], codes[45, 95] = 0xFF, 0x7F
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        for sdt, dtype in (("F32", np.float32), ("F16", np.float16)):
+            for bad in (codes, np.where(np.arange(64)[:, None] == 41, 0x38, codes).astype(np.uint8)):
+                with pytest.raises(NaNCodes) as e:
+                    fp8_block_row(32, 48).cpu(Chunk(bad, "F8_E4M3", {"scale": np.ones((2, 2), dtype)}, {"scale": sdt}),
+                                              "BF16", None)
+                assert e.value.row == (41 if bad is codes else 45), (level, sdt)
 
 
 @pytest.mark.parametrize("col", [7, 130])  # in a block of 128 codes, and in a row's tail

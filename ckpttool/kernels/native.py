@@ -44,6 +44,8 @@ _SIGNATURES = {
     **{f"ckpttool_nvfp4_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64], None) for t in ("u32", "u64")},
     **{f"ckpttool_grouped_{t}_{w}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
        for t in ("u16", "u32", "u64") for w in ("u8", "i32")},
+    **{f"ckpttool_grouped_{t}_i32_checked": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_uint64], _I64)
+       for t in ("u16", "u32")},
     **{f"ckpttool_window_{kind}_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
        for t in ("u16", "u32") for kind in ("bytes", "int8", "nibbles")},
     **{f"ckpttool_window_{kind}_gidx_{t}": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], None)
@@ -277,7 +279,8 @@ def nvfp4(packed: np.ndarray, codes: np.ndarray, table: np.ndarray, out: np.ndar
     return -1
 
 
-def grouped(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int, out: np.ndarray) -> None:
+def grouped(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int, out: np.ndarray,
+            nan_above: int | None = None) -> int:
     """kernels/grouped.gather in C; which is uint8 or int32 [rows, ceil(width / group)], each entry below
     the number of 256-entry tables (checked here: the C code reads where it is told)."""
     rows, width = codes.shape
@@ -290,9 +293,15 @@ def grouped(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int
     _flat(tables, tables.dtype, "tables", 256)
     if which.size and (int(which.max()) >= tables.shape[0] // 256 or int(which.min()) < 0):
         raise ValueError(f"which: indices in [0, {tables.shape[0] // 256})")
-    fn = getattr(_load(), f"ckpttool_grouped_{_SUFFIX[tables.dtype]}_{kind}")
-    fn(codes.ctypes.data, _rows(codes, np.uint8, "codes"), which.ctypes.data, which_stride, tables.ctypes.data,
-       out.ctypes.data, _rows(out, tables.dtype, "out", (rows, width)), rows, width, group)
+    args = (codes.ctypes.data, _rows(codes, np.uint8, "codes"), which.ctypes.data, which_stride, tables.ctypes.data,
+            out.ctypes.data, _rows(out, tables.dtype, "out", (rows, width)), rows, width, group)
+    if nan_above is not None:  # FP8 codes tested for NaN in the loop: the first row holding one, or -1
+        if kind != "i32" or tables.dtype == np.uint64:
+            raise ValueError(f"grouped: NaN codes are tested with int32 `which` and 16- or 32-bit tables")
+        return getattr(_load(), f"ckpttool_grouped_{_SUFFIX[tables.dtype]}_i32_checked")(
+            *args, (0x7F - nan_above) * 0x0101010101010101)
+    getattr(_load(), f"ckpttool_grouped_{_SUFFIX[tables.dtype]}_{kind}")(*args)
+    return -1
 
 
 _BNB_KIND = {"BF16": (0, np.uint16), "F16": (1, np.uint16), "F32": (2, np.uint32)}
