@@ -203,8 +203,11 @@ def test_fp8_channel_nan_codes_are_refused_naming_the_row_in_every_loop(col, cpu
 
 
 @pytest.mark.parametrize("sdt", [torch.float16, torch.float32])
-def test_symmetric_int4_with_float_scales_equals_compressed_tensors(sdt, cpu_kernels):
+def test_symmetric_int4_with_float_scales_equals_compressed_tensors(sdt, cpu_kernels, monkeypatch):
+    """C at each SIMD level (2: the 16-entry lookup per group; below it the pair tables)."""
     from compressed_tensors.compressors.base import BaseCompressor
+
+    from ckpttool.kernels import native
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -215,7 +218,10 @@ def test_symmetric_int4_with_float_scales_equals_compressed_tensors(sdt, cpu_ker
     args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32)
     ref = BaseCompressor.get_value_from_registry("pack-quantized").decompress(
         dict(stored), QuantizationScheme(targets=["Linear"], weights=args))["weight"]
-    same(CT_INT4[32], stored["weight_packed"].numpy(), "I32", {"scale": carrier(scale)}, sdt, ref)
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        same(CT_INT4[32], stored["weight_packed"].numpy(), "I32", {"scale": carrier(scale)}, sdt, ref)
 
 
 def test_mxfp4_every_scale_and_byte_equals_compressed_tensors(cpu_kernels):
