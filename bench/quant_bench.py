@@ -159,6 +159,9 @@ def packed_chunk(name: str, rows: int, cols: int, gen: np.random.Generator) -> t
 
 
 def carrier(t: torch.Tensor) -> np.ndarray:
+    """The array a Chunk carries for a tensor (dtypes.CARRIERS): F16 as numpy's float16, BF16 as uint16 bits."""
+    if t.dtype == torch.float16:
+        return t.numpy()
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).numpy().view(
         {1: np.uint8, 2: np.uint16, 4: np.int32 if t.dtype == torch.int32 else np.float32}[t.element_size()])
 
@@ -189,7 +192,8 @@ def cuda_call_times(fn, calls: int = 20) -> dict[str, float]:
 
 def chunk(name: str, x, s, dtype: str, global_scale: float) -> Chunk:
     """A row's kernel input: values, their scale rows and (NVFP4) the global scale, unused by the other rows."""
-    scale_dtype = "U8" if s.dtype == torch.uint8 and "U8" in BY_NAME[name].side("scale").dtypes \
+    byte_scale = s.dtype in (torch.uint8, np.uint8)  # numpy carriers on the CPU, tensors on CUDA
+    scale_dtype = "U8" if byte_scale and "U8" in BY_NAME[name].side("scale").dtypes \
         else BY_NAME[name].side("scale").dtypes[0]
     return Chunk(x, dtype, {"scale": s}, {"scale": scale_dtype}, global_scale)
 

@@ -63,9 +63,13 @@ def scales(shape, sdt, gen) -> torch.Tensor:
 @pytest.mark.parametrize("storage, bits", [("pack", 4), ("pack", 8), ("int", 8)])
 @pytest.mark.parametrize("strategy", ["group", "channel", "tensor"])
 @pytest.mark.parametrize("asym", [False, True])
-def test_integers_with_zero_points_equal_compressed_tensors(storage, bits, strategy, asym, sdt, cpu_kernels):
-    """Every code against every zero point, edge scales in the model's dtype."""
+def test_integers_with_zero_points_equal_compressed_tensors(storage, bits, strategy, asym, sdt, cpu_kernels,
+                                                            monkeypatch):
+    """Every code against every zero point, edge scales in the model's dtype; C at each SIMD level (2: 4-bit rows
+    to BF16 by a 16-entry lookup per group, native/fp8_scaled.c; below it the tables' windows)."""
     from compressed_tensors.compressors.base import BaseCompressor
+
+    from ckpttool.kernels import native
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -92,8 +96,11 @@ def test_integers_with_zero_points_equal_compressed_tensors(storage, bits, strat
     assert ref.dtype == sdt
     sides = {"scale": carrier(scale), **({"zero": stored["weight_zero_point"].numpy()} if asym else {})}
     values = stored["weight_packed" if storage == "pack" else "weight"].numpy()
-    same(int_row(storage, bits, strategy, group, asym, False), values, "I32" if storage == "pack" else "I8", sides,
-         sdt, ref)
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        same(int_row(storage, bits, strategy, group, asym, False), values, "I32" if storage == "pack" else "I8", sides,
+             sdt, ref)
 
 
 @pytest.mark.parametrize("sdt", list(SDT))
@@ -137,8 +144,12 @@ def test_a_group_index_of_minus_one_reads_columns_in_order(cpu_kernels):
     (fp8_block_row(32, 48), "block", dict(block_structure=[32, 48]), (3, 4)),  # partial blocks, as the library pads
     (fp8_group_row(32), "group", dict(group_size=32), (96, 5)),
     (CT_FP8_CHANNEL, "channel", {}, (96, 1)), (CT_FP8_TENSOR, "tensor", {}, (1,))])
-def test_fp8_groups_blocks_and_float_scales_equal_compressed_tensors(row, strategy, extra, shape, sdt, cpu_kernels):
+def test_fp8_groups_blocks_and_float_scales_equal_compressed_tensors(row, strategy, extra, shape, sdt, cpu_kernels,
+                                                                     monkeypatch):
+    """In every loop: C at each SIMD level (2: native/fp8_scaled.c's lookup for BF16 out, below it the tables)."""
     from compressed_tensors.compressors.base import BaseCompressor
+
+    from ckpttool.kernels import native
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     gen = torch.Generator().manual_seed(11)
@@ -150,21 +161,53 @@ def test_fp8_groups_blocks_and_float_scales_equal_compressed_tensors(row, strate
     ref = BaseCompressor.get_value_from_registry("float-quantized").decompress(
         {"weight": codes.view(torch.float8_e4m3fn), "weight_scale": scale},
         QuantizationScheme(targets=["Linear"], weights=args))["weight"]
-    same(row, codes.numpy(), "F8_E4M3", {"scale": carrier(scale)}, sdt, ref)
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        same(row, codes.numpy(), "F8_E4M3", {"scale": carrier(scale)}, sdt, ref)
 
 
-def test_fp8_block_nan_codes_are_refused_naming_the_row(cpu_kernels):
+def test_fp8_block_nan_codes_are_refused_naming_the_row(cpu_kernels, monkeypatch):
+    """F32 scales (C at SIMD 2: the per-group lookup) and F16 ones (the tables, C testing codes in its gather), every
+    loop, a NaN code in a whole block and one in a row's partial last block."""
+    from ckpttool.kernels import native
+
     codes = np.full((64, 96), 0x38, dtype=np.uint8)
-    codes[41, 7] = 0xFF
-    with pytest.raises(NaNCodes) as e:
-        fp8_block_row(32, 48).cpu(Chunk(codes, "F8_E4M3", {"scale": np.ones((2, 2), np.float32)}, {"scale": "F32"}),
-                                  "BF16", None)
-    assert e.value.row == 41
+    codes[41, 7], codes[45, 95] = 0xFF, 0x7F
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        for sdt, dtype in (("F32", np.float32), ("F16", np.float16)):
+            for bad in (codes, np.where(np.arange(64)[:, None] == 41, 0x38, codes).astype(np.uint8)):
+                with pytest.raises(NaNCodes) as e:
+                    fp8_block_row(32, 48).cpu(Chunk(bad, "F8_E4M3", {"scale": np.ones((2, 2), dtype)}, {"scale": sdt}),
+                                              "BF16", None)
+                assert e.value.row == (41 if bad is codes else 45), (level, sdt)
+
+
+@pytest.mark.parametrize("col", [7, 130])  # in a block of 128 codes, and in a row's tail
+def test_fp8_channel_nan_codes_are_refused_naming_the_row_in_every_loop(col, cpu_kernels, monkeypatch):
+    """Per-row F16 scales take the tables (C: NaN codes found inside the gather, scaled.c's _checked loop)."""
+    from ckpttool.kernels import native
+
+    codes = np.full((64, 200), 0x38, dtype=np.uint8)
+    codes[41, col], codes[50, 3] = 0xFF, 0x7F
+    scale = np.linspace(0.5, 2, 64, dtype=np.float16).reshape(64, 1)
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        for sdt, s in (("F16", scale), ("F32", scale.astype(np.float32))):
+            with pytest.raises(NaNCodes) as e:
+                CT_FP8_CHANNEL.cpu(Chunk(codes, "F8_E4M3", {"scale": s}, {"scale": sdt}), "BF16", None)
+            assert e.value.row == 41, (level, sdt)
 
 
 @pytest.mark.parametrize("sdt", [torch.float16, torch.float32])
-def test_symmetric_int4_with_float_scales_equals_compressed_tensors(sdt, cpu_kernels):
+def test_symmetric_int4_with_float_scales_equals_compressed_tensors(sdt, cpu_kernels, monkeypatch):
+    """C at each SIMD level (2: the 16-entry lookup per group; below it the pair tables)."""
     from compressed_tensors.compressors.base import BaseCompressor
+
+    from ckpttool.kernels import native
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -175,7 +218,10 @@ def test_symmetric_int4_with_float_scales_equals_compressed_tensors(sdt, cpu_ker
     args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32)
     ref = BaseCompressor.get_value_from_registry("pack-quantized").decompress(
         dict(stored), QuantizationScheme(targets=["Linear"], weights=args))["weight"]
-    same(CT_INT4[32], stored["weight_packed"].numpy(), "I32", {"scale": carrier(scale)}, sdt, ref)
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        same(CT_INT4[32], stored["weight_packed"].numpy(), "I32", {"scale": carrier(scale)}, sdt, ref)
 
 
 def test_mxfp4_every_scale_and_byte_equals_compressed_tensors(cpu_kernels):
@@ -190,9 +236,11 @@ def test_mxfp4_every_scale_and_byte_equals_compressed_tensors(cpu_kernels):
         assert (ours.view(np.uint8) == carrier(ref.to(OUT[out])).view(np.uint8)).all(), out
 
 
-def test_fp16_product_tables_are_numpys_fp16_multiply_for_every_fp16_scale(cpu_kernels):
-    """fp8_cpu.library_tables for F16 scales, compiled (C, numba: float16 rounding in integers and float32) or
-    numpy's float16 casts: fp16 scales of either sign times every q - z and every e4m3 value."""
+def test_fp16_product_tables_are_numpys_fp16_multiply_for_every_fp16_scale(cpu_kernels, monkeypatch):
+    """fp8_cpu.library_tables for F16 scales, compiled (C: F16C's conversions at CKPTTOOL_SIMD 2, float16 rounding
+    in integers and float32 below; numba: the latter) or numpy's float16 casts: fp16 scales of either sign times
+    every q - z and every e4m3 value (its NaN codes too: both C loops give a NaN product the same bits)."""
+    from ckpttool.kernels import native
     from ckpttool.kernels.fp8_cpu import fp8_values, library_tables
 
     fp8 = fp8_values("F8_E4M3")
@@ -202,11 +250,17 @@ def test_fp16_product_tables_are_numpys_fp16_multiply_for_every_fp16_scale(cpu_k
     scale = np.concatenate([magnitudes, -magnitudes[::61]]).astype(np.float32)
     with np.errstate(over="ignore"):
         product = (values[None, :] * scale[:, None]).astype(np.float16)  # the same: the fp32 product is exact
-    for out in OUT:
-        ours = library_tables(values, scale, "F16", out)
-        want = product.view(np.uint16) if out == "F16" else carrier(torch.from_numpy(product.astype(np.float32)).to(
-            OUT[out]))
-        assert ours.dtype.itemsize == want.dtype.itemsize and (ours.view(want.dtype) == want).all(), out
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        for out in OUT:
+            ours = library_tables(values, scale, "F16", out)
+            want = product.view(np.uint16) if out == "F16" else carrier(torch.from_numpy(product.astype(np.float32)).to(
+                OUT[out]))
+            assert ours.dtype.itemsize == want.dtype.itemsize and (ours.view(want.dtype) == want).all(), (level, out)
+        nan = library_tables(fp8, scale[:64], "F16", "BF16")  # e4m3's NaN codes: the scalar loop's bits in every loop
+        monkeypatch.setenv("CKPTTOOL_SIMD", "0")
+        assert (nan == library_tables(fp8, scale[:64], "F16", "BF16")).all() and np.isnan(fp8).any()
 
 
 def test_zero_points_outside_the_rows_bits_and_act_order_outside_its_groups_are_named():

@@ -45,16 +45,66 @@ def dtype_of(t: torch.Tensor) -> str:
     return {torch.float32: "F32", torch.float8_e8m0fnu: "F8_E8M0", torch.uint8: "U8"}[t.dtype]
 
 
+def each_simd_level(cpu_kernels: str, monkeypatch):
+    """The C loops at every SIMD level this CPU has (CKPTTOOL_SIMD: below 2 the tables' gathers, at 2 AVX2's
+    per-element loop of native/fp8_scaled.c where a row's scales are many); the other forms once."""
+    from ckpttool.kernels import native
+
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        yield level
+
+
 # -- kernels against transformers ------------------------------------------------------------------------
 @pytest.mark.parametrize("block, scale_fmt, as_bytes", [
     ((128, 128), "float", False), ((1, 128), "float", False), ((32, 32), "ue8m0", False), ((32, 32), "ue8m0", True),
     ((1, 32), "ue8m0", True), ((128, 128), "ue8m0", False), ((64, 16), "float", False)])
-def test_blocks_equal_transformers(block, scale_fmt, as_bytes, cpu_kernels):
+def test_blocks_equal_transformers(block, scale_fmt, as_bytes, cpu_kernels, monkeypatch):
     q, s = fp8_quantize(wide_weight(256, 384, 1), block, scale_fmt)
     stored = s.view(torch.uint8) if as_bytes else s
     row = block_row(*block, scale_fmt, "weight_scale_inv")
-    ours = row.cpu(Chunk(carrier(q), "F8_E4M3", {"scale": carrier(stored)}, {"scale": dtype_of(stored)}), "BF16", None)
-    assert torch.equal(torch.from_numpy(ours.view(np.int16)), bits(fp8_dequantize(q, stored)))
+    for _ in each_simd_level(cpu_kernels, monkeypatch):
+        ours = row.cpu(Chunk(carrier(q), "F8_E4M3", {"scale": carrier(stored)}, {"scale": dtype_of(stored)}), "BF16",
+                       None)
+        assert torch.equal(torch.from_numpy(ours.view(np.int16)), bits(fp8_dequantize(q, stored)))
+
+
+@pytest.mark.parametrize("block", [(1, 128), (1, 32), (32, 32), (16, 48)])
+@pytest.mark.parametrize("cols", [256, 200])
+def test_float_scales_of_every_size_and_binade_equal_transformers_at_each_simd_level(block, cols, cpu_kernels,
+                                                                                     monkeypatch):
+    """Every code under F32 scales from the subnormal 1e-45 to 3e38 (products that overflow, scales whose 2**120
+    multiple does, negative ones, products halfway between two bf16 numbers, either end of the lookup's range), BF16
+    and F32 out (F16 takes the tables), in every loop: equal to transformers'
+    Fp8Dequantize where the blocks divide the weight, else (a partial last block) to its formula, torch's fp32
+    product rounded once."""
+    rows = 64
+    gen = torch.Generator().manual_seed(9)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(rows, 1)[:, torch.randperm(256, generator=gen)]
+    codes = codes[:, :cols].contiguous()
+    codes[(codes & 0x7F) == 0x7F] = 0x80  # the NaN codes are refused (below); -0.0 in their place
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x3C7F8000], dtype=torch.int32).view(torch.float32)  # halfway in bf16
+    # either side of the range fp8_scaled.c's lookup takes, [2**-120, 2**118), and far beyond it
+    ends = torch.tensor([0x03800000, 0x037FFFFF, 0x7A7FFFFF, 0x7A800000, 0xFA7FFFFF], dtype=torch.int64).to(
+        torch.int32).view(torch.float32)
+    edge = torch.cat([torch.tensor([1e-45, 1e-40, 3e-30, 1.2e-6, 0.0123, 1.0, 3.0, 1e5, 1e30, 3e38, -0.5, -2e37]), ties,
+                      ends])
+    shape = (-(-rows // block[0]), -(-cols // block[1]))
+    scale = edge[torch.randint(0, len(edge), shape, generator=gen)]
+    q, row = codes.view(torch.float8_e4m3fn), block_row(*block, "float", "weight_scale_inv")
+    full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    want = {"BF16": fp8_dequantize(q, scale) if cols % block[1] == 0 else (q.float() * full).bfloat16(),
+            "F32": q.float() * full, "F16": (q.float() * full).half()}
+    for _ in each_simd_level(cpu_kernels, monkeypatch):
+        for out, ref in want.items():
+            ours = row.cpu(Chunk(codes.numpy(), "F8_E4M3", {"scale": scale.numpy()}, {"scale": "F32"}), out, None)
+            assert torch.equal(torch.from_numpy(ours.view(np.int16 if out != "F32" else np.int32)), bits(ref)), out
+        bad = codes.clone()
+        bad[37, cols - 3], bad[50, 5] = 0xFF, 0x7F
+        with pytest.raises(NaNCodes) as err:
+            row.cpu(Chunk(bad.numpy(), "F8_E4M3", {"scale": scale.numpy()}, {"scale": "F32"}), "BF16", None)
+        assert err.value.row == 37
 
 
 def test_e8m0_scales_at_both_ends_equal_transformers(cpu_kernels):
@@ -80,13 +130,14 @@ def test_mxfp4_experts_equal_transformers(cpu_kernels):
 
 
 @pytest.mark.parametrize("per, shape", [("tensor", ()), ("tensor", (1,)), ("channel", (96, 1)), ("channel", (96,))])
-def test_one_scale_per_tensor_or_row_equals_transformers(per, shape, cpu_kernels):
+def test_one_scale_per_tensor_or_row_equals_transformers(per, shape, cpu_kernels, monkeypatch):
     q = wide_weight(96, 128, 2).float().clamp(-448, 448).to(torch.float8_e4m3fn)
     scale = torch.rand(shape or (), generator=torch.Generator().manual_seed(4)) * 3 + 0.01
-    ours = scaled_row(per, "weight_scale").cpu(
-        Chunk(carrier(q), "F8_E4M3", {"scale": scale.reshape(shape).numpy()}, {"scale": "F32"}), "BF16", None)
     ref = fp8_dequantize(q, scale.reshape(-1, 1) if per == "channel" else scale)
-    assert torch.equal(torch.from_numpy(ours.view(np.int16)), bits(ref))
+    for _ in each_simd_level(cpu_kernels, monkeypatch):
+        ours = scaled_row(per, "weight_scale").cpu(
+            Chunk(carrier(q), "F8_E4M3", {"scale": scale.reshape(shape).numpy()}, {"scale": "F32"}), "BF16", None)
+        assert torch.equal(torch.from_numpy(ours.view(np.int16)), bits(ref))
 
 
 def test_nan_codes_are_refused_naming_the_row(cpu_kernels):

@@ -26,8 +26,7 @@ from ckpttool.formats.blocks import mxfp4_rows
 from ckpttool.formats.compressed_int import SCALE_DTYPES, SHAPE, int_row
 from ckpttool.formats.row import BY_ROWS, DROPPED, WHOLE, Chunk, Name, QuantFormat, Side
 from ckpttool.kernels import grouped, nvfp4_cpu, scaled_cpu, window
-from ckpttool.kernels.fp8_cpu import NAN_ABOVE, NaNCodes, fp8_library_tables
-from ckpttool.kernels.fp8_gather import nan_row
+from ckpttool.kernels.fp8_cpu import NAN_ABOVE, NaNCodes, dequant_scaled, fp8_library_tables
 
 INT4_GROUPS = (16, 32, 64, 128, 256)
 """group sizes of the pack-quantized rows (llm-compressor's W4A16 uses 128, Kimi-K2-Thinking 32)"""
@@ -170,17 +169,21 @@ def _fp8_blocks(b0: int, b1: int, group: bool) -> QuantFormat:
     def cpu(c: Chunk, out: str, into) -> np.ndarray:
         codes = c.values
         rows, cols = codes.shape
-        bad = nan_row(codes, NAN_ABOVE[c.dtype])
-        if bad >= 0:
-            raise NaNCodes(bad)
         sdt = c.side_dtypes["scale"]
+        if out == "BF16" and sdt != "F16":  # computed per element: a lookup per group (fp8_cpu.dequant_scaled)
+            result = np.empty((rows, cols), dtype=np.uint16) if into is None else into.view(np.uint16).reshape(rows, cols)
+            if dequant_scaled(codes, scaled_cpu.scale_f32(c.scale, sdt), c.dtype, sdt, out, result, b0=b0, group=b1):
+                return result
         values, index = scaled_cpu.distinct(np.ascontiguousarray(c.scale))
         table = np.ascontiguousarray(fp8_library_tables(c.dtype, scaled_cpu.scale_f32(values, sdt), sdt,
                                                         out)).reshape(-1)
         result = np.empty((rows, cols), dtype=table.dtype) if into is None else \
             into.view(table.dtype).reshape(rows, cols)
-        if result.size:
-            grouped.gather(codes, np.ascontiguousarray(index[np.arange(rows) // b0]), table, b1, result)
+        if result.size:  # NaN codes refused (scales are finite: checked before any chunk)
+            bad = grouped.gather_fp8(codes, np.ascontiguousarray(index[np.arange(rows) // b0]), table, b1, result,
+                                     NAN_ABOVE[c.dtype])
+            if bad >= 0:
+                raise NaNCodes(bad)
         return result
 
     def cuda(c: Chunk, out_dtype):

@@ -32,7 +32,7 @@ from ckpttool.formats.resolve import Rule
 from ckpttool.formats.row import DROPPED, WHOLE, Chunk, Name, QuantFormat, Side
 from ckpttool.kernels import grouped, scaled_cpu
 from ckpttool.kernels.fp8 import FP8_DTYPES
-from ckpttool.kernels.fp8_cpu import NAN_ABOVE, NaNCodes, fp8_values, value_tables
+from ckpttool.kernels.fp8_cpu import NAN_ABOVE, NaNCodes, dequant_scaled, fp8_values, value_tables
 from ckpttool.kernels.fp8_gather import nan_row
 
 METHODS = ("fp8", "fbgemm_fp8")
@@ -65,6 +65,13 @@ def _block_cpu(block: tuple[int, int]):
             else into.view(np.dtype(f"u{2 if out != 'F32' else 4}")).reshape(rows, cols)
         if not result.size:
             return result
+        # computed per element (BF16: a lookup per group, 2x the tables' gather), or for F32 out where a table per
+        # scale would cost more than its elements (1x128, 1x32, 32x32 F32 blocks)
+        e8m0 = c.side_dtypes["scale"] in E8M0
+        if (out == "BF16" or (not e8m0 and scale.size * 256 * 8 > result.size)) and dequant_scaled(
+                codes, _E8M0_F32[scale.view(np.uint8)] if e8m0 else scale, c.dtype, "F32", out, result, b0=block[0],
+                group=block[1]):
+            return result
         bad = nan_row(codes, NAN_ABOVE[c.dtype])
         if bad >= 0:
             raise NaNCodes(bad)
@@ -77,6 +84,11 @@ def _block_cpu(block: tuple[int, int]):
         grouped.gather(codes, which, tables, block[1], result)
         return result
     return cpu
+
+
+with np.errstate(over="ignore"):
+    _E8M0_F32 = np.ldexp(np.float32(1.0), np.arange(256) - 127).astype(np.float32)
+_E8M0_F32[255] = np.nan  # refused by the scale check before a kernel runs (dequant_scaled then declines)
 
 
 def _distinct_tables(scale: np.ndarray, fmt: str, out: str) -> tuple[np.ndarray, np.ndarray]:

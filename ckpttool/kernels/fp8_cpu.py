@@ -23,7 +23,7 @@ import numpy as np
 
 from ckpttool.errors import InputError
 from ckpttool.dtypes import CARRIERS
-from ckpttool.kernels import fp8_gather
+from ckpttool.kernels import fp8_gather, native
 
 BLOCK = 128
 OUT_DTYPES = ("BF16", "F16", "F32")
@@ -145,6 +145,25 @@ def fp8_library_tables(fmt: str, scale: np.ndarray, scale_dtype: str, out_dtype:
     half = np.ascontiguousarray(library_tables(fp8_values(fmt)[:128], scale, scale_dtype, out_dtype))
     sign = half.dtype.type(1 << (8 * half.dtype.itemsize - 1))
     return np.concatenate([half, half ^ sign], axis=-1)
+
+
+def dequant_scaled(codes: np.ndarray, scale: np.ndarray, fmt: str, scale_dtype: str, out_dtype: str, out: np.ndarray,
+                   *, b0: int, group: int) -> bool:
+    """Fill `out` [rows, cols] (out_dtype's carrier) with FP8 `codes` times float32 `scale` [ceil(rows / b0),
+    ceil(cols / group)] computed per element, each product and rounding as library_tables makes a table entry
+    (scale_dtype says the library's multiply), NaN codes refused (NaNCodes) in the same pass: native/fp8_scaled.c's
+    AVX2 loops. For BF16 out with BF16/F32/E8M0 scales a lookup of 16 entries per group, about 2x the table gather
+    of FP8 block per output byte; else float32 lanes, which beat the tables only where each 1x128 or 1x32 group has
+    its own F32 scale. False where it does not run (no C loops, CKPTTOOL_SIMD below 2, no AVX2 and F16C, not e4m3,
+    an F16 output, a scale not finite): the caller gathers from tables."""
+    if fmt != "F8_E4M3" or out_dtype not in ("BF16", "F32") or native.library() is None or native.simd() < 2 \
+            or not codes.size or not np.isfinite(scale).all():
+        return False
+    kind = (0 if out_dtype == "BF16" else 2) + (scale_dtype == "F16")
+    bad = native.fp8_scaled(codes, np.ascontiguousarray(scale, dtype=np.float32), out, b0, group, kind)
+    if bad >= 0:
+        raise NaNCodes(int(bad))
+    return bad == -1
 
 
 def _nan_above(fmt: str) -> int:

@@ -39,6 +39,21 @@ def gather(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int,
     return "numpy"
 
 
+def gather_fp8(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int, out: np.ndarray,
+               nan_above: int) -> int:
+    """gather for FP8 codes with finite tables (int32 `which`): the first row holding a NaN code (magnitude above
+    nan_above, fp8_cpu.NAN_ABOVE), or -1 with `out` filled. C tests the codes inside its loop; the other forms in a
+    pass first (fp8_gather.nan_row)."""
+    if native.library() is not None and which.dtype == np.int32 and tables.dtype != np.uint64:
+        return native.grouped(codes, which, tables, group, out, nan_above)
+    from ckpttool.kernels.fp8_gather import nan_row
+
+    bad = nan_row(codes, nan_above)
+    if bad < 0:
+        gather(codes, which, tables, group, out)
+    return bad
+
+
 def _numpy(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int, out: np.ndarray) -> None:
     rows, width = codes.shape
     step = max(1, _STEP_ELEMENTS // max(width, 1))

@@ -33,15 +33,19 @@ _SIGNATURES = {
     **{f"ckpttool_fp8_rows_{t}": ([_P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_uint64, ctypes.c_uint64], _I64)
        for t in ("u16", "u32")},
     **{f"ckpttool_fp8_rows_{t}_plain": ([_P, _I64, _P, _P, _P, _I64, _I64, _I64], None) for t in ("u16", "u32")},
+    **{f"ckpttool_fp8_rows_{t}_checked": ([_P, _I64, _P, _P, _P, _I64, _I64, _I64, ctypes.c_uint64], _I64)
+       for t in ("u16", "u32")},
     "ckpttool_int4_bf16": ([_P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P], _I64),
     "ckpttool_int4_bf16_pairs": ([_P, _I64, _P], None),
     "ckpttool_int4_by_pairs": ([_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _I64], None),
     "ckpttool_distinct16": ([_P, _I64, _P, _P, _P], _I64),
-    "ckpttool_f16_tables": ([_P, _I64, _P, _I64, _P, ctypes.c_int32], None),
+    "ckpttool_f16_tables": ([_P, _I64, _P, _I64, _P, ctypes.c_int32, ctypes.c_int32], None),
     **{f"ckpttool_mxfp4_transposed_{t}": ([_P, _P, _P, _P, _I64, _I64, _I64], None) for t in ("u16", "u32")},
     **{f"ckpttool_nvfp4_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64], None) for t in ("u32", "u64")},
     **{f"ckpttool_grouped_{t}_{w}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
        for t in ("u16", "u32", "u64") for w in ("u8", "i32")},
+    **{f"ckpttool_grouped_{t}_i32_checked": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_uint64], _I64)
+       for t in ("u16", "u32")},
     **{f"ckpttool_window_{kind}_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
        for t in ("u16", "u32") for kind in ("bytes", "int8", "nibbles")},
     **{f"ckpttool_window_{kind}_gidx_{t}": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], None)
@@ -49,6 +53,8 @@ _SIGNATURES = {
     **{f"ckpttool_packed_cols_{t}": ([_P, _I64, _I64, _I64, _I64, ctypes.c_int32, _P, _I64, _P, _P, _P, _P, _I64], None)
        for t in ("u16", "u32")},  # kernels/packed.py (GPTQ, AWQ), which checks their arguments
     **{f"ckpttool_packed_rows_{t}": ([_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _I64], None) for t in ("u16", "u32")},
+    "ckpttool_fp8_scaled": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int32], _I64),
+    "ckpttool_int4_lut_bf16": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, ctypes.c_int32, _P, _I64], _I64),
     "ckpttool_simd_level": ([], ctypes.c_int32),
     "ckpttool_packed_f16c_ok": ([], ctypes.c_int32),  # kernels/packed.py's computed loops, which check their arguments
     "ckpttool_packed_lanes": ([_P, _I64, _I64, ctypes.c_int32, _P, _P, ctypes.c_uint32, _I64, _P, ctypes.c_int32, _P,
@@ -136,7 +142,7 @@ def f16_tables(values: np.ndarray, scales: np.ndarray, out: np.ndarray, kind: st
         if a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
             raise ValueError(f"f16_tables: a contiguous {np.dtype(dtype)} {shape}, not {a.dtype} {a.shape}")
     _load().ckpttool_f16_tables(values.ctypes.data, n, scales.ctypes.data, m, out.ctypes.data,
-                                {"F16": 0, "BF16": 1, "F32": 2}[kind])
+                                {"F16": 0, "BF16": 1, "F32": 2}[kind], simd())
 
 
 def mxfp4_transposed(blocks: np.ndarray, scales: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
@@ -178,6 +184,50 @@ def fp8_rows(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.n
 
 def fp8_rows_plain(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray) -> None:
     getattr(_load(), f"ckpttool_fp8_rows_{_SUFFIX[tables.dtype]}_plain")(*_fp8_rows_args(codes, tables, which, out))
+
+
+def fp8_rows_checked(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out: np.ndarray, nan_above: int) -> int:
+    """fp8_rows_plain that also finds NaN codes (magnitude above `nan_above`, fp8_cpu.NAN_ABOVE): the first row
+    holding one, or -1."""
+    fn = getattr(_load(), f"ckpttool_fp8_rows_{_SUFFIX[tables.dtype]}_checked")
+    return fn(*_fp8_rows_args(codes, tables, which, out), (0x7F - nan_above) * 0x0101010101010101)
+
+
+def fp8_scaled(codes: np.ndarray, scales: np.ndarray, out: np.ndarray, b0: int, group: int, kind: int) -> int:
+    """fp8_cpu.dequant_scaled in C (native/fp8_scaled.c): e4m3 codes [rows, cols] times float32 scales
+    [ceil(rows / b0), ceil(cols / group)] per element into out's words (kind 0-1 uint16, 2-3 uint32). Returns the
+    first row holding a NaN code, -1 if none, -2 where the CPU has no AVX2 and F16C (nothing written)."""
+    rows, cols = codes.shape
+    if b0 < 1 or group < 1 or kind not in (0, 1, 2, 3):
+        raise ValueError(f"fp8_scaled: b0 {b0}, group {group}, kind {kind}")
+    word = np.uint32 if kind >= 2 else np.uint16
+    s_stride = _rows(scales, np.float32, "scales", (-(-rows // b0), -(-cols // group)))
+    return _load().ckpttool_fp8_scaled(codes.ctypes.data, _rows(codes, np.uint8, "codes"), scales.ctypes.data, s_stride,
+                                       out.ctypes.data, _rows(out, word, "out", (rows, cols)), rows, cols, b0, group,
+                                       kind)
+
+
+def _broadcast_rows(a: np.ndarray, dtype, name: str, shape: tuple[int, int]) -> int:
+    """Row stride (elements) of a 2-D `a` of `dtype` and `shape` whose rows may be one row broadcast (stride 0)."""
+    if a.dtype != dtype or a.shape != shape or (shape[1] > 1 and a.strides[1] != a.itemsize) or a.strides[0] % a.itemsize:
+        raise ValueError(f"{name}: a {np.dtype(dtype)} {shape} array with contiguous rows, not {a.dtype} {a.shape}")
+    return a.strides[0] // a.itemsize
+
+
+def int4_lut_bf16(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group: int, f16: bool,
+                  out: np.ndarray) -> bool:
+    """window.dequant's 4-bit rows to BF16 in C (native/fp8_scaled.c): codes [rows, width] bytes, float32 scales and
+    int32 offset-binary zero codes [rows, groups] (rows may be broadcast), groups of `group` values (a multiple of
+    32) -> out uint16 [rows, 2 * width]. False where the CPU has no AVX2 and F16C (nothing written)."""
+    rows, width = codes.shape
+    if group < 32 or group % 32 or width * 2 % group:
+        raise ValueError(f"int4_lut_bf16: {width} bytes a row in groups of {group}")
+    shape = (rows, width * 2 // group)
+    s_stride = _broadcast_rows(scales, np.float32, "scales", shape)
+    z_stride = _broadcast_rows(zeros, np.int32, "zeros", shape)
+    return _load().ckpttool_int4_lut_bf16(codes.ctypes.data, _rows(codes, np.uint8, "codes"), scales.ctypes.data,
+                                          s_stride, zeros.ctypes.data, z_stride, rows, shape[1], group, int(f16),
+                                          out.ctypes.data, _rows(out, np.uint16, "out", (rows, width * 2))) == 0
 
 
 def int4_bf16(packed: np.ndarray, scale: np.ndarray, group: int, out: np.ndarray) -> int:
@@ -229,7 +279,8 @@ def nvfp4(packed: np.ndarray, codes: np.ndarray, table: np.ndarray, out: np.ndar
     return -1
 
 
-def grouped(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int, out: np.ndarray) -> None:
+def grouped(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int, out: np.ndarray,
+            nan_above: int | None = None) -> int:
     """kernels/grouped.gather in C; which is uint8 or int32 [rows, ceil(width / group)], each entry below
     the number of 256-entry tables (checked here: the C code reads where it is told)."""
     rows, width = codes.shape
@@ -242,9 +293,15 @@ def grouped(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int
     _flat(tables, tables.dtype, "tables", 256)
     if which.size and (int(which.max()) >= tables.shape[0] // 256 or int(which.min()) < 0):
         raise ValueError(f"which: indices in [0, {tables.shape[0] // 256})")
-    fn = getattr(_load(), f"ckpttool_grouped_{_SUFFIX[tables.dtype]}_{kind}")
-    fn(codes.ctypes.data, _rows(codes, np.uint8, "codes"), which.ctypes.data, which_stride, tables.ctypes.data,
-       out.ctypes.data, _rows(out, tables.dtype, "out", (rows, width)), rows, width, group)
+    args = (codes.ctypes.data, _rows(codes, np.uint8, "codes"), which.ctypes.data, which_stride, tables.ctypes.data,
+            out.ctypes.data, _rows(out, tables.dtype, "out", (rows, width)), rows, width, group)
+    if nan_above is not None:  # FP8 codes tested for NaN in the loop: the first row holding one, or -1
+        if kind != "i32" or tables.dtype == np.uint64:
+            raise ValueError(f"grouped: NaN codes are tested with int32 `which` and 16- or 32-bit tables")
+        return getattr(_load(), f"ckpttool_grouped_{_SUFFIX[tables.dtype]}_i32_checked")(
+            *args, (0x7F - nan_above) * 0x0101010101010101)
+    getattr(_load(), f"ckpttool_grouped_{_SUFFIX[tables.dtype]}_{kind}")(*args)
+    return -1
 
 
 _BNB_KIND = {"BF16": (0, np.uint16), "F16": (1, np.uint16), "F32": (2, np.uint32)}

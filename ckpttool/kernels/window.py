@@ -57,6 +57,16 @@ def dequant(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, zero_codes: 
     from ckpttool.kernels.scaled_cpu import distinct, scale_f32  # (scaled_cpu's INT4 rows do not need this module)
 
     rows, cols = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
+    if bits == 4 and gidx is None and out == "BF16" and group % 32 == 0 and cols % group == 0 and rows \
+            and native.library() is not None and native.simd() >= 2:  # a 16-entry lookup per group (int4_lut_bf16)
+        s32 = np.broadcast_to(scale_f32(np.ascontiguousarray(scale), scale_dtype), (rows, cols // group))
+        zeros = np.broadcast_to(np.asarray(8 if zero_codes is None else zero_codes, dtype=np.int32), s32.shape)
+        if zeros.shape[1] > 1 and zeros.strides[1] != 4:  # one zero code for every group: rows of them
+            zeros = np.ascontiguousarray(zeros)
+        result = np.empty((rows, cols), dtype=np.uint16)
+        if np.isfinite(s32).all() and 0 <= zeros.min() and zeros.max() <= 15 and native.int4_lut_bf16(
+                codes, s32, zeros, group, scale_dtype == "F16", result):
+            return result.view(CARRIERS[out])
     values, which = distinct(np.ascontiguousarray(scale))
     s32 = scale_f32(values, scale_dtype)
     which = np.ascontiguousarray(np.broadcast_to(which, (rows, which.shape[-1])))

@@ -2,6 +2,7 @@
  * bits as its numba and numpy forms. kernels/native.py checks every shape, dtype, stride and index range
  * first. out[i, j] = tables[(which[i, j / group] << 8) | codes[i, j]]; row strides in elements. */
 #include <stdint.h>
+#include <string.h>
 
 #define RUN(T, G)                                                                                          \
     for (int64_t g = 0; g < full; g++) {                                                                \
@@ -32,6 +33,40 @@
             for (int64_t j = full * group; j < width; j++) o[j] = tables[((int64_t)w[full] << 8) | c[j]]; \
         }                                                                                               \
     }
+
+/* The same with int32 `which`, FP8 codes tested for NaN in the loop (fp8.c's any_over: `add` in every byte, eight
+ * codes a 64-bit word, in the integer units the gather leaves idle): the first row holding one (written whole), or
+ * -1. Saves a pass over the codes (kernels/grouped.gather_fp8). */
+#define GROUPED_CHECKED(NAME, T)                                                                        \
+    int64_t NAME(const uint8_t *restrict codes, int64_t code_stride, const int32_t *restrict which,    \
+                 int64_t which_stride, const T *restrict tables, T *restrict out, int64_t out_stride,   \
+                 int64_t rows, int64_t width, int64_t group, uint64_t add) {                            \
+        const int64_t full = width / group;                                                             \
+        const uint64_t low = 0x7F7F7F7F7F7F7F7FULL;                                                     \
+        for (int64_t i = 0; i < rows; i++) {                                                            \
+            const int32_t *restrict w = which + i * which_stride;                                       \
+            const uint8_t *restrict c = codes + i * code_stride;                                        \
+            T *restrict o = out + i * out_stride;                                                       \
+            uint64_t acc = 0;                                                                           \
+            switch (group) {                                                                            \
+            case 128: RUN(T, 128)                                                                          \
+            default: RUN(T, group)                                                                         \
+            }                                                                                           \
+            int64_t j = 0;                                                                              \
+            for (; j + 8 <= width; j += 8) {                                                            \
+                uint64_t v;                                                                             \
+                memcpy(&v, c + j, sizeof v);                                                            \
+                acc |= (v & low) + add;                                                                 \
+            }                                                                                           \
+            for (; j < width; j++) acc |= ((uint64_t)c[j] & 0x7F) + (add & 0xFF);                       \
+            for (int64_t k = full * group; k < width; k++) o[k] = tables[((int64_t)w[full] << 8) | c[k]]; \
+            if (acc & 0x8080808080808080ULL) return i;                                                  \
+        }                                                                                               \
+        return -1;                                                                                      \
+    }
+
+GROUPED_CHECKED(ckpttool_grouped_u16_i32_checked, uint16_t)
+GROUPED_CHECKED(ckpttool_grouped_u32_i32_checked, uint32_t)
 
 GROUPED(ckpttool_grouped_u16_u8, uint16_t, uint8_t)
 GROUPED(ckpttool_grouped_u32_u8, uint32_t, uint8_t)
