@@ -43,7 +43,7 @@ def _numba_gather(numba):
     slices of fixed length, the last partial block a loop of its own: on the H100 machine's Xeon the
     loop that also bounded each block by the row's end and folded every output into a NaN test ran
     0.9 GB/s of output per core, about what a 16-worker conversion's transform time showed
-    (bench/RESULTS.md)."""
+    (bench/HISTORY.md)."""
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def gather(codes, tables, out, shift):  # pragma: no cover - compiled
@@ -123,7 +123,7 @@ def _numba_bf16_tables(numba):
     kept a NaN), so the same bits. On the H100 machine numpy's seven passes (and their temporaries' page
     faults) took 13% of the workers' samples in a 16-worker conversion; with this loop a 32 MiB chunk's
     tables take 36 us against 283 us on the 2-core box, and a conversion RAM to RAM there takes 0.90x the time
-    (0.90-1.02x on the H100 machine: bench/RESULTS.md)."""
+    (0.90-1.02x on the H100 machine: bench/HISTORY.md)."""
 
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def tables(values, scales, prod, out):  # pragma: no cover - compiled

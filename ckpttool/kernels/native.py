@@ -4,7 +4,7 @@ test and its BF16 tables (fp8_gather.py), and the compressed-tensors and ModelOp
 
 setup.py builds them at install where a C compiler is found (`pip install -e .` puts the library beside
 this file). Loading takes about a millisecond, against the 0.4-0.8 s that importing numba and loading
-its cached kernels took at the start of every run (bench/RESULTS.md), and the gather runs 1.4-1.8x
+its cached kernels took at the start of every run (bench/HISTORY.md), and the gather runs 1.4-1.8x
 numba's per core. Where the library is missing, or `CKPTTOOL_NATIVE=0` (read on every call, so tests can
 flip it), `library()` is None and fp8_gather falls back to numba, then numpy.
 

@@ -21,7 +21,7 @@ else one per column (GPTQ's g_idx under desc_act: group_of_col).
 Where the C library runs on x86 with AVX2 and F16C (`computed()`), no table is made: the product is computed
 eight at a time (VCVTPS2PH is the fp16 rounding), straight from the stored scales and packed zero points, by
 `lanes` (GPTQ), `rows8` (AWQ GEMM) and `bcast` (AWQ GEMV): 0.9-1.3x FP8 block per output byte on the 2-core
-box where the tables ran 0.15-0.73x (bench/RESULTS.md). The tables serve CKPTTOOL_SIMD < 2, other CPUs, numba
+box where the tables ran 0.15-0.73x (bench/HISTORY.md). The tables serve CKPTTOOL_SIMD < 2, other CPUs, numba
 and numpy, and the CUDA path.
 """
 

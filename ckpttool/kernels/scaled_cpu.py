@@ -204,7 +204,7 @@ def fp8_rows_numpy(codes: np.ndarray, tables: np.ndarray, which: np.ndarray, out
     a NaN (bits above +inf), or -1. One np.take per step of rows, over int64 indices into the rows'
     tables (or over the codes themselves where there is one table). Measured per output byte on the
     2-core box: 0.93-1.02x FP8 block's numpy gather, from 0.59-0.70x with one table per row
-    (bench/RESULTS.md); the same bits."""
+    (bench/HISTORY.md); the same bits."""
     rows, cols = codes.shape
     flat = tables.reshape(-1)
     sub = max(1, min(rows, _STEP_ELEMENTS // max(cols, 1)))
