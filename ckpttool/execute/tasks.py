@@ -33,6 +33,7 @@ from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.io.safetensors import TensorInfo
 from ckpttool.kernels import fp8_gather
 from ckpttool.kernels.fp8_cpu import NaNCodes
+from ckpttool.kernels.quant import NonFinite
 from ckpttool.plan.types import PlacedTensor, Plan
 
 
@@ -213,7 +214,10 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
         with clock.activity("read"):
             x = tensor_from_bytes(inputs.read_from(task.file, task.source), info.dtype, info.shape)
         with clock.activity("transform"):
-            x = QUANTIZE_TRANSFORMS[task.transform](x)
+            try:
+                x = QUANTIZE_TRANSFORMS[task.transform](x)
+            except NonFinite as exc:
+                raise exc.moved(0, file=inputs.root / task.file, tensor=task.source) from None
         with clock.activity("write"):
             for file, placed in task.pieces:
                 y = x if placed.tensor.narrow is None else x.narrow(*placed.tensor.narrow)
@@ -262,6 +266,8 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                 except NaNCodes as exc:  # the kernel saw rows r0.. of the tensor
                     raise NaNCodes(None if exc.row is None else r0 + exc.row,
                                    file=inputs.root / task.file, tensor=task.source) from None
+                except NonFinite as exc:  # a quantize row saw source rows a.. (formats/outputs_stream.py)
+                    raise exc.moved(a, file=inputs.root / task.file, tensor=task.source) from None
         with clock.activity("write"):
             _write_rows(task, x, r0, r1, staging)
         del x  # a mapped chunk is unmapped here, its last view gone

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Callable
 
 from ckpttool.kernels import quant_ct
 from ckpttool.kernels.fp8 import BLOCK, quantize_fp8_block, scale_shape
-from ckpttool.kernels.quant import INT4_GROUP_SIZES, pack_int4, quantize_int4_grouped, quantize_int8_per_channel
+from ckpttool.kernels.quant import (INT4_GROUP_SIZES, check_finite, pack_int4, quantize_int4_grouped,
+                                    quantize_int8_per_channel)
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +86,11 @@ class Target:
     def __post_init__(self):
         for out in self.outputs:
             if out.per_row is None:  # the others are rows the executor streams (formats/outputs_stream.py)
-                self.transforms[out.transform] = (lambda leaf: lambda w: self.compute(w, leaf)[leaf])(out.leaf)
+                self.transforms[out.transform] = (lambda leaf: lambda w: self._whole(w, leaf))(out.leaf)
+
+    def _whole(self, w: torch.Tensor, leaf: str) -> torch.Tensor:
+        check_finite(w)
+        return self.compute(w, leaf)[leaf]
 
 
 # -- compressed-tensors --------------------------------------------------------------------------------

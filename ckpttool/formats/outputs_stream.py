@@ -19,6 +19,7 @@ import numpy as np
 from ckpttool.dtypes import torch_dtype
 from ckpttool.formats.outputs import TARGETS, Output, Target
 from ckpttool.formats.row import Chunk, Name, QuantFormat
+from ckpttool.kernels.quant import check_finite
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 WHOLE = 1 << 40
@@ -52,13 +53,16 @@ def _row(target: Target, out: Output, shape: tuple[int, int] | None) -> QuantFor
         if shape is not None:
             return np.asarray(shape, dtype=np.int64)
         with torch.no_grad():
-            return _as_rows(target.compute(_torch_rows(c), out.leaf)[out.leaf])
+            w = _torch_rows(c)
+            check_finite(w)
+            return _as_rows(target.compute(w, out.leaf)[out.leaf])
 
     def cuda(c: Chunk, out_dtype):
         import torch
 
         if shape is not None:
             return torch.tensor(shape, dtype=torch.int64, device=c.values.device), None
+        check_finite(c.values)
         return target.compute(c.values, out.leaf)[out.leaf].contiguous(), None
 
     def example(dev) -> Chunk:
