@@ -56,6 +56,8 @@ class Output:
     transform: str  # the plan's name for it (TensorPlan.transform), unique over the table
     per_row: int | None = None
     align: int = 1
+    stat: bool = False
+    """made from the weight's whole-tensor statistic alone (`Target.prepass`: NVFP4's global scale)"""
 
     def transform_for(self, rows: int, cols: int) -> str:
         """The plan's transform name for a [rows, cols] weight (an output made from the shape alone says it)."""
@@ -81,6 +83,9 @@ class Target:
     repack_block: tuple[int, int] | None = None  # the blocks a repack writes (None: the config's weight_block_size)
     repack_only: bool = False  # takes quantized checkpoints only (`refuses` says so for a float weight)
     repacks_nvfp4_from: str | None = None  # the other library's NVFP4 row whose weights repack into this one
+    prepass: Callable[[torch.Tensor], float] | None = None
+    """a statistic of the whole weight the outputs need (NVFP4: its amax), as the max of this over runs of its
+    rows, computed in a first pass (formats/outputs_stream.py, execute/tasks.py) and given to `compute` as `stat`"""
     transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -181,7 +186,8 @@ def _fp8(strategy: str) -> Callable[..., dict]:
 
 
 def _fp4(mx: bool) -> Callable[..., dict]:
-    def compute(w: torch.Tensor, leaf: str | None = None) -> dict:
+    def compute(w: torch.Tensor, leaf: str | None = None, stat: float | None = None) -> dict:
+        """stat: the whole weight's amax where `w` is a run of its rows (NVFP4's global scale needs it)."""
         import torch
 
         if mx:
@@ -191,7 +197,7 @@ def _fp4(mx: bool) -> Callable[..., dict]:
                 return {leaf: quant_ct.mx_scale_code(scale)}
             return {"weight_packed": quant_ct.quantize_fp4_grouped(w, scale, 32),
                     "weight_scale": quant_ct.mx_scale_code(scale)}
-        gs = quant_ct.global_scale_fp4(w)
+        gs = quant_ct.global_scale_fp4(w if stat is None else torch.tensor([stat], dtype=w.dtype, device=w.device))
         if leaf == "weight_global_scale":
             return {leaf: gs}
         scale, _ = quant_ct.qparams(*quant_ct.min_max(w, "group", 16), kind="float", bits=4,
@@ -202,6 +208,12 @@ def _fp4(mx: bool) -> Callable[..., dict]:
                 "weight_scale": scale.to(torch.float8_e4m3fn),
                 "weight_global_scale": gs}
     return compute
+
+
+def _amax(w: torch.Tensor) -> float:
+    """max |w| of a run of rows, exact as a Python float (a BF16, F16 or F32 value is an fp64 value)."""
+    check_finite(w)
+    return float(w.abs().amax()) if w.numel() else 0.0
 
 
 _FP4_WEIGHTS = {"dynamic": False, "num_bits": 4, "symmetric": True, "type": "float"}
@@ -230,10 +242,11 @@ CT_TARGETS = (
                              "float-quantized"),
            library="compressed-tensors 0.20 `FloatQuantizationCompressor`"),
     Target(name="nvfp4a16", title="compressed-tensors NVFP4A16 (FP4 E2M1, FP8 scale per 16, global scale)",
-           outputs=(Output("weight_packed", "U8", lambda r, c: (r, c // 2), "quantize:nvfp4a16:packed"),
-                    Output("weight_scale", "F8_E4M3", lambda r, c: (r, c // 16), "quantize:nvfp4a16:scale"),
-                    Output("weight_global_scale", "F32", lambda r, c: (1,), "quantize:nvfp4a16:global_scale")),
-           compute=_fp4(False), refuses=_divides("NVFP4", 16),
+           outputs=(Output("weight_packed", "U8", lambda r, c: (r, c // 2), "quantize:nvfp4a16:packed", 1),
+                    Output("weight_scale", "F8_E4M3", lambda r, c: (r, c // 16), "quantize:nvfp4a16:scale", 1),
+                    Output("weight_global_scale", "F32", lambda r, c: (1,), "quantize:nvfp4a16:global_scale", 1,
+                           stat=True)),
+           compute=_fp4(False), refuses=_divides("NVFP4", 16), prepass=_amax,
            config=_ct_config({"weights": {**_FP4_WEIGHTS, "group_size": 16, "scale_dtype": "torch.float8_e4m3fn",
                                           "strategy": "tensor_group"}}, "nvfp4-pack-quantized"),
            library="compressed-tensors 0.20 `NVFP4PackedCompressor`", repacks_nvfp4_from="modelopt_nvfp4"),
