@@ -71,3 +71,20 @@ def test_repack_rows_on_cuda_write_the_cpu_bytes(to, tmp_path):
                                                           wait_for_cuda=True))
     assert _counts(gpu).get("chunks_on_gpu", 0) > 0, _counts(gpu)
     _same_files(tmp_path / "cpu", tmp_path / "gpu")
+
+
+def test_gpt_oss_repack_and_its_readback_on_cuda_write_the_cpu_bytes(tmp_path):
+    """gpt-oss's MXFP4 experts -> FP8 (formats/repack.py), and that FP8 dequantized (formats/fp8_experts.py), on
+    CUDA: the CPU's bytes."""
+    from ckpttool.families.gpt_oss.demo import build_gpt_oss_checkpoint
+
+    src = build_gpt_oss_checkpoint(tmp_path / "mxfp4", mxfp4=True, seed=7)
+    spec = Spec(quantize="fp8-block-deepseek")
+    convert(src, tmp_path / "cpu", spec, ExecOptions(quiet=True, device="cpu"))
+    convert(src, tmp_path / "gpu", spec, ExecOptions(quiet=True, device="cuda", wait_for_cuda=True))
+    _same_files(tmp_path / "cpu", tmp_path / "gpu")
+    convert(tmp_path / "cpu", tmp_path / "bf16-cpu", Spec(dequant=True), ExecOptions(quiet=True, device="cpu"))
+    gpu = convert(tmp_path / "cpu", tmp_path / "bf16-gpu", Spec(dequant=True),
+                  ExecOptions(quiet=True, device="cuda", wait_for_cuda=True))
+    assert _counts(gpu).get("chunks_on_gpu", 0) > 0, _counts(gpu)
+    _same_files(tmp_path / "bf16-cpu", tmp_path / "bf16-gpu")

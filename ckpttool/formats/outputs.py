@@ -16,7 +16,8 @@ ones through `QUANTIZE_TRANSFORMS`) and the CLI's `--to` choices read this table
   fp8-block-deepseek         DeepSeek-V3's FP8 128x128 blocks with F32 `weight_scale_inv` (alias fp8_block)
   int8, int4                 gpt-fast's weight-only layouts (no engine loads them; config.json says so)
   fp8-32x32, fp8-128x128,    repacks only: FP8 blocks of that size from MXFP4 experts or FP8 blocks of another
-  fp8-1x128, modelopt-nvfp4  size; ModelOpt NVFP4 from compressed-tensors' (nvfp4a16 takes ModelOpt's the other way)
+  fp8-1x128, modelopt-nvfp4  size (DeepSeek-V4's and gpt-oss's MXFP4 experts); ModelOpt NVFP4 from compressed-tensors'
+                             (nvfp4a16 takes ModelOpt's the other way)
 
 The compressed-tensors rows write what the library's own `ModelCompressor.compress_model` writes for the same
 weights under that preset with min-max statistics and no calibration data, byte for byte, and its

@@ -26,13 +26,14 @@ FP8_MAX = 448.0
 
 
 class Inexact(ValueError):
-    """A value the target format cannot hold exactly: (block row, block column) of the run given."""
+    """A value the target format cannot hold exactly: (block row, block column) of the run given, or (expert,
+    block row, block column) of stacked experts."""
 
     def moved(self, rows: int) -> "Inexact":
-        """The same, `rows` block rows further down (the run began there)."""
-        return Inexact((self.block[0] + rows, self.block[1]), self.value, self.scale_exp, self.why)
+        """The same, `rows` block rows (stacked: experts) further down (the run began there)."""
+        return Inexact((self.block[0] + rows, *self.block[1:]), self.value, self.scale_exp, self.why)
 
-    def __init__(self, block: tuple[int, int], value: float, scale_exp: int, why: str = ""):
+    def __init__(self, block: tuple[int, ...], value: float, scale_exp: int, why: str = ""):
         self.block, self.value, self.scale_exp, self.why = block, value, scale_exp, why
         super().__init__(f"block {list(block)} " + (why or f"holds {value!r}, which FP8 e4m3 with the block's scale "
                                                          f"2**{scale_exp} cannot represent exactly"))
@@ -55,6 +56,26 @@ def mxfp4_values(packed: np.ndarray, e8m0: np.ndarray) -> np.ndarray:
     signed = np.where(codes & 8, -mag, mag)
     scale = np.ldexp(np.float32(1.0), e8m0.view(np.uint8).astype(np.int32) - 127).astype(np.float32)
     return (signed.reshape(rows, -1, 32) * scale[:, :, None]).reshape(rows, -1)
+
+
+def mxfp4_stacked_to_fp8(blocks: np.ndarray, e8m0: np.ndarray, block: tuple[int, int]
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """gpt-oss's stacked MXFP4 experts, [E, R, G, 16] bytes and [E, R, G] E8M0 (each expert an [R, G*32] weight
+    stored by output rows) -> (FP8 codes [E, R, G*32], scale exponents [E, ceil(R/b0), ceil(G*32/b1)]): every expert
+    on its own, as `mxfp4_values` + `block_exponents` + `fp8_codes`; Inexact names (expert, block row, column)."""
+    experts, rows = blocks.shape[:2]
+    values = mxfp4_values(blocks.reshape(experts * rows, -1), e8m0.reshape(experts * rows, -1))
+    values = values.reshape(experts, rows, -1)
+    nb = (-(-rows // block[0]), -(-values.shape[2] // block[1]))
+    codes = np.empty(values.shape, dtype=np.uint8)
+    exps = np.empty((experts, *nb), dtype=np.int32)
+    for e in range(experts):
+        exps[e] = block_exponents(values[e], block)
+        try:
+            codes[e] = fp8_codes(values[e], exps[e], block)
+        except Inexact as exc:
+            raise Inexact((e, *exc.block), exc.value, exc.scale_exp, exc.why) from None
+    return codes, exps
 
 
 def fp8_block_values(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
