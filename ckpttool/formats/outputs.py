@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ckpttool.kernels import quant_ct
+from ckpttool.kernels import quant_ct, quant_native
 from ckpttool.kernels.fp8 import BLOCK, quantize_fp8_block, scale_shape
 from ckpttool.kernels.quant import (INT4_GROUP_SIZES, check_finite, pack_int4, quantize_int4_grouped,
                                     quantize_int8_per_channel)
@@ -137,6 +137,15 @@ def _pack_int(bits: int, symmetric: bool) -> Callable[..., dict]:
 
         if leaf == "weight_shape":
             return {leaf: torch.tensor(list(w.shape), dtype=torch.int64)}
+        if quant_native.usable(w, 128):  # C loops, the same bits (a scale's task computes no codes)
+            got = quant_native.int_group_bf16(w, 128, bits, symmetric, codes=leaf in (None, "weight_packed"))
+            if got is not None:
+                packed, scale, zero = got
+                out = {"weight_packed": packed, "weight_scale": scale,
+                       "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
+                if not symmetric and leaf in (None, "weight_zero_point"):
+                    out["weight_zero_point"] = quant_ct.pack_to_int32(zero, bits, packed_dim=0)
+                return out if leaf is None else {leaf: out[leaf]}
         scale, zero = quant_ct.qparams(*quant_ct.min_max(w, "group", 128), kind="int", bits=bits, symmetric=symmetric)
         if leaf == "weight_scale":
             return {leaf: scale}

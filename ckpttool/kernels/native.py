@@ -59,6 +59,9 @@ _SIGNATURES = {
     "ckpttool_bnb4_u16": ([_P, _I64, _P, _P, _I64, ctypes.c_int32, ctypes.c_int32, _P], None),
     "ckpttool_bnb4_u32": ([_P, _I64, _P, _P, _I64, _P], None),
     "ckpttool_bnb8": ([_P, _I64, _P, _I64, _I64, ctypes.c_int32, ctypes.c_int32, _P, _I64], None),
+    # the quantize stage's compressed-tensors loops (kernels/quant_native.py checks their arguments)
+    "ckpttool_quant_int_bf16": ([_P, _I64, _I64, _I64, _I64, ctypes.c_int32, ctypes.c_int32, _P, _I64, _P, _I64, _P,
+                                 _I64], _I64),
 }
 _SUFFIX = {np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32", np.dtype(np.uint64): "u64"}
 
