@@ -59,7 +59,7 @@ def _runner(fmt: str, w: torch.Tensor, plain: bool = False):
     return run, nbytes
 
 
-NATIVE = ("w4a16", "w4a16-asym", "w8a16")
+NATIVE = ("w4a16", "w4a16-asym", "w8a16", "nvfp4a16", "mxfp4")
 """the formats with C loops (kernels/quant_native.py)"""
 
 

@@ -137,15 +137,8 @@ def _pack_int(bits: int, symmetric: bool) -> Callable[..., dict]:
 
         if leaf == "weight_shape":
             return {leaf: torch.tensor(list(w.shape), dtype=torch.int64)}
-        if quant_native.usable(w, 128):  # C loops, the same bits (a scale's task computes no codes)
-            got = quant_native.int_group_bf16(w, 128, bits, symmetric, codes=leaf in (None, "weight_packed"))
-            if got is not None:
-                packed, scale, zero = got
-                out = {"weight_packed": packed, "weight_scale": scale,
-                       "weight_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
-                if not symmetric and leaf in (None, "weight_zero_point"):
-                    out["weight_zero_point"] = quant_ct.pack_to_int32(zero, bits, packed_dim=0)
-                return out if leaf is None else {leaf: out[leaf]}
+        if (out := quant_native.int_outputs(w, leaf, bits, symmetric)) is not None:  # C loops, the same bits
+            return out
         scale, zero = quant_ct.qparams(*quant_ct.min_max(w, "group", 128), kind="int", bits=bits, symmetric=symmetric)
         if leaf == "weight_scale":
             return {leaf: scale}
@@ -200,6 +193,8 @@ def _fp4(mx: bool) -> Callable[..., dict]:
         """stat: the whole weight's amax where `w` is a run of its rows (NVFP4's global scale needs it)."""
         import torch
 
+        if mx and (out := quant_native.fp4_outputs(w, leaf, True)) is not None:  # C loops, the same bits
+            return out
         if mx:
             scale, _ = quant_ct.qparams(*quant_ct.min_max(w, "group", 32), kind="float", bits=4,
                                         scale_dtype=torch.uint8, mx=True)
@@ -210,6 +205,8 @@ def _fp4(mx: bool) -> Callable[..., dict]:
         gs = quant_ct.global_scale_fp4(w if stat is None else torch.tensor([stat], dtype=w.dtype, device=w.device))
         if leaf == "weight_global_scale":
             return {leaf: gs}
+        if (out := quant_native.fp4_outputs(w, leaf, False, gs)) is not None:
+            return out
         scale, _ = quant_ct.qparams(*quant_ct.min_max(w, "group", 16), kind="float", bits=4,
                                     scale_dtype=torch.float8_e4m3fn, global_scale=gs)
         if leaf == "weight_scale":

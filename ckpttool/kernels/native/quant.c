@@ -81,3 +81,101 @@ int64_t ckpttool_quant_int_bf16(const uint16_t *restrict w, int64_t ldw, int64_t
     }
     return -1;
 }
+
+/* -- FP4 (E2M1) groups: compressed-tensors' NVFP4 (groups of 16, an FP8 e4m3 scale under a global scale) and MXFP4
+ * (groups of 32, an E8M0 scale): kernels/quant_ct.py's qparams, quantize_fp4_grouped and fp4_packed.
+ *   NVFP4: scale = e4m3(clamp(fp32(gs * bf16(top / 6)), 448)) (0 -> 0.125); t = clamp(fp32(x / fp32(scale / gs)))
+ *   MXFP4: p2 = top rounded at E2M1's precision to a power of two (`_mx_exponent`), code = clamp(round(127 +
+ *          log2(p2) - 2), 0, 255), scale = 2**(code - 127) in BF16; t = clamp(bf16(x / scale))
+ *   each code: E2M1 magnitude index by the library's thresholds (bucketize: how many lie strictly below |t|), sign
+ *   bit where t < 0; two codes a byte, the even column in the low nibble. */
+static const float FP4_BOUNDS[7] = {0.25f, 0x1.7ffffep-1f, 1.25f, 0x1.bffffep+0f, 2.5f, 0x1.bffffep+1f, 5.0f};
+
+/* v in [0, 448] -> its nearest e4m3 value (ties to even; subnormals below 2**-6 in steps of 2**-9) and its code */
+static inline float e4m3(float v, uint8_t *code) {
+    if (v == 0.0f) {
+        *code = 0;
+        return 0.0f;
+    }
+    int ex;
+    frexpf(v, &ex);
+    int e = ex - 1 < -6 ? -6 : ex - 1;
+    const float step = ldexpf(1.0f, e - 3), q = nearbyintf(v / step) * step;
+    frexpf(q, &ex);
+    e = ex - 1;
+    if (e < -6) {
+        *code = (uint8_t)(q / 0x1p-9f);
+    } else {
+        *code = (uint8_t)(((e + 7) << 3) | ((int)(q / ldexpf(1.0f, e - 3)) - 8));
+    }
+    return q;
+}
+
+static inline uint8_t fp4_code(float t) {
+    const float a = fabsf(t);
+    uint8_t idx = 0;
+    for (int k = 0; k < 7; k++) idx += a > FP4_BOUNDS[k];
+    return (uint8_t)(idx | ((t < 0.0f) << 3));
+}
+
+/* w: BF16 bits [rows, cols] (ldw), cols a multiple of the group (16 NVFP4, 32 MXFP4); packed: bytes [rows, cols / 2]
+ * (ldp), NULL for the scales only; scale: bytes [rows, cols / group] (lds): e4m3 codes (NVFP4) or E8M0 (MXFP4). */
+void ckpttool_quant_fp4_bf16(const uint16_t *restrict w, int64_t ldw, int64_t rows, int64_t cols, int32_t mx,
+                             float gs, uint8_t *restrict packed, int64_t ldp, uint8_t *restrict scale, int64_t lds) {
+    const int64_t group = mx ? 32 : 16, groups = cols / group;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = w + r * ldw;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *src = row + g * group;
+            float lo = 0.0f, hi = 0.0f;
+            for (int64_t j = 0; j < group; j++) {
+                const float v = from_bf16(src[j]);
+                lo = v < lo ? v : lo;
+                hi = v > hi ? v : hi;
+            }
+            const float top = -lo > hi ? -lo : hi;
+            float divisor; /* what each value is divided by, in the library's dtype */
+            if (!mx) {
+                float s = gs * bf(top / 6.0f);
+                s = s > 448.0f ? 448.0f : s;
+                uint8_t code;
+                s = e4m3(s, &code);
+                if (s == 0.0f) {
+                    s = 0.125f;
+                    code = 0x20; /* 0.125 = 2**-3: exponent field 4 */
+                }
+                scale[r * lds + g] = code;
+                divisor = s / gs;
+            } else {
+                uint16_t h = (uint16_t)ckpttool_bf16_bits(top);
+                const uint16_t p2bits = (uint16_t)(((uint32_t)h + (1u << 5)) & 0xFF80u);
+                const float p2 = from_bf16(p2bits);
+                float c;
+                if (p2 == 0.0f) {
+                    c = 0.0f; /* -inf, clamped to 0 */
+                } else if (isinf(p2)) {
+                    c = 255.0f;
+                } else {
+                    int ex;
+                    frexpf(p2, &ex);
+                    c = (float)(127 + (ex - 1) - 2);
+                    c = c < 0.0f ? 0.0f : (c > 255.0f ? 255.0f : c);
+                }
+                scale[r * lds + g] = (uint8_t)c;
+                divisor = bf(ldexpf(1.0f, (int)c - 127));
+            }
+            if (!packed) continue;
+            uint8_t *out = packed + r * ldp + g * group / 2;
+            for (int64_t j = 0; j < group; j += 2) {
+                float t0 = from_bf16(src[j]) / divisor, t1 = from_bf16(src[j + 1]) / divisor;
+                if (mx) {
+                    t0 = bf(t0);
+                    t1 = bf(t1);
+                }
+                t0 = t0 < -6.0f ? -6.0f : (t0 > 6.0f ? 6.0f : t0);
+                t1 = t1 < -6.0f ? -6.0f : (t1 > 6.0f ? 6.0f : t1);
+                out[j / 2] = (uint8_t)(fp4_code(t0) | (fp4_code(t1) << 4));
+            }
+        }
+    }
+}
