@@ -37,6 +37,9 @@ def _runner(fmt: str, w: torch.Tensor, plain: bool = False):
     rows, cols = w.shape
     values = w.view(torch.int16).numpy().view(np.uint16)
     calls, nbytes = [], 0
+    if row.prepass is not None:  # NVFP4's first pass (the weight's amax), once a weight as the executor runs it
+        first = BY_NAME[row.outputs[0].transform_for(rows, cols)]
+        calls.append(lambda: first.prepass(Chunk(values, "BF16")))
     for o in row.outputs:
         name = o.transform_for(rows, cols)
         shape = o.shape(rows, cols)
