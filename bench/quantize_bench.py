@@ -62,6 +62,14 @@ def _runner(fmt: str, w: torch.Tensor, plain: bool = False):
     return run, nbytes
 
 
+def _without_c(run) -> None:
+    os.environ["CKPTTOOL_NATIVE"] = "0"
+    try:
+        run()
+    finally:
+        del os.environ["CKPTTOOL_NATIVE"]
+
+
 NATIVE = ("w4a16", "w4a16-asym", "w8a16", "nvfp4a16", "mxfp4")
 """the formats with C loops (kernels/quant_native.py)"""
 
@@ -72,9 +80,7 @@ def _repack_runner(rows: int, cols: int):
     e8m0 = rng.integers(118, 126, (rows, cols // 32), dtype=np.uint8)
 
     def run():
-        v = repack.mxfp4_values(packed, e8m0)
-        e = repack.block_exponents(v, (128, 128))
-        repack.fp8_codes(v, e, (128, 128))
+        repack.mxfp4_to_fp8(packed, e8m0, (128, 128))  # the C loop where built (formats/repack.py's path)
     return run, rows * cols + (-(-rows // 128)) * (-(-cols // 128))
 
 
@@ -90,6 +96,8 @@ def main() -> None:
     jobs = {f: _runner(f, w) for f in names}
     jobs.update({f"{f} (torch)": _runner(f, w, plain=True) for f in NATIVE})
     jobs["repack mxfp4 -> fp8 128x128"] = _repack_runner(args.rows, args.cols)
+    repack_run, nbytes = _repack_runner(args.rows, args.cols)
+    jobs["repack mxfp4 -> fp8 128x128 (numpy)"] = (lambda r=repack_run: _without_c(r)), nbytes
     times: dict[str, list[float]] = {k: [] for k in jobs}
     for _ in range(args.reps):
         for k, (run, _) in jobs.items():

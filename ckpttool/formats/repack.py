@@ -74,9 +74,7 @@ class Source:
 
 
 def _mxfp4(args: str, c: Chunk, dst: tuple[int, int]):
-    values = repack.mxfp4_values(np.asarray(c.values), np.asarray(c.scale))
-    exps = repack.block_exponents(values, dst)
-    return repack.fp8_codes(values, exps, dst), exps
+    return repack.mxfp4_to_fp8(np.asarray(c.values), np.asarray(c.scale), dst)
 
 
 def _fp8_params(args: str) -> tuple[int, int, str]:

@@ -63,6 +63,7 @@ _SIGNATURES = {
     "ckpttool_quant_int_bf16": ([_P, _I64, _I64, _I64, _I64, ctypes.c_int32, ctypes.c_int32, _P, _I64, _P, _I64, _P,
                                  _I64], _I64),
     "ckpttool_quant_fp4_bf16": ([_P, _I64, _I64, _I64, ctypes.c_int32, ctypes.c_float, _P, _I64, _P, _I64], None),
+    "ckpttool_repack_mxfp4_fp8": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P], _I64),  # kernels/repack.py checks
 }
 _SUFFIX = {np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32", np.dtype(np.uint64): "u64"}
 

@@ -179,3 +179,47 @@ void ckpttool_quant_fp4_bf16(const uint16_t *restrict w, int64_t ldw, int64_t ro
         }
     }
 }
+
+/* -- exact repack: MXFP4 (E2M1 codes, low nibble first, an E8M0 scale per 32 along a row) -> FP8 e4m3 codes under
+ * one power-of-two scale per b0 x b1 block (kernels/repack.py's mxfp4_values, block_exponents and fp8_codes, the
+ * same numbers): each block's exponent ceil(log2(amax / 448)) in double (0 for an all-zero block, within
+ * [-127, 127]), each value divided by 2**exponent in float32 and written as the e4m3 code holding it exactly (a
+ * -0.0 as 0x80). packed [rows, cols / 2], e8m0 [rows, cols / 32], codes [rows, cols], exps [ceil(rows / b0),
+ * ceil(cols / b1)] int32, all contiguous. Returns -1, or the row-major index of the first value no e4m3 code holds
+ * (codes before it are written). */
+static const float E2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+static inline float mxfp4_value(const uint8_t *packed, const uint8_t *e8m0, int64_t cols, int64_t i, int64_t j) {
+    const uint8_t b = packed[i * (cols / 2) + j / 2], code = (j & 1) ? (b >> 4) : (b & 0x0F);
+    const float mag = E2M1[code & 7] * ldexpf(1.0f, (int)e8m0[i * (cols / 32) + j / 32] - 127);
+    return (code & 8) ? -mag : mag;
+}
+
+int64_t ckpttool_repack_mxfp4_fp8(const uint8_t *restrict packed, const uint8_t *restrict e8m0, int64_t rows,
+                                  int64_t cols, int64_t b0, int64_t b1, uint8_t *restrict codes,
+                                  int32_t *restrict exps) {
+    const int64_t nb1 = (cols + b1 - 1) / b1;
+    for (int64_t bi = 0; bi * b0 < rows; bi++) {
+        for (int64_t bj = 0; bj < nb1; bj++) {
+            float amax = 0.0f;
+            for (int64_t i = bi * b0; i < rows && i < (bi + 1) * b0; i++)
+                for (int64_t j = bj * b1; j < cols && j < (bj + 1) * b1; j++) {
+                    const float a = fabsf(mxfp4_value(packed, e8m0, cols, i, j));
+                    amax = a > amax ? a : amax;
+                }
+            double e = amax > 0.0f ? ceil(log2((double)amax / 448.0)) : 0.0;
+            e = e < -127.0 ? -127.0 : (e > 127.0 ? 127.0 : e);
+            exps[bi * nb1 + bj] = (int32_t)e;
+        }
+    }
+    for (int64_t i = 0; i < rows; i++) {
+        for (int64_t j = 0; j < cols; j++) {
+            const float q = mxfp4_value(packed, e8m0, cols, i, j) / ldexpf(1.0f, exps[(i / b0) * nb1 + j / b1]);
+            const float a = fabsf(q);
+            uint8_t code = 0;
+            if (a != 0.0f && (a > 448.0f || e4m3(a, &code) != a)) return i * cols + j;
+            codes[i * cols + j] = (uint8_t)(code | (signbit(q) ? 0x80 : 0));
+        }
+    }
+    return -1;
+}
