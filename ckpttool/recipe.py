@@ -13,6 +13,7 @@ The commands `dequant`, `shard`, `convert`, `plan` and `merge` build the same Re
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -178,12 +179,14 @@ class Recipe(_Strict):
                     keep_mtp=None if self.mtp == "auto" else self.mtp == "keep",
                     quantize=qz.format if qz else None, group_size=qz.group_size if qz else 128)
 
-    def job(self) -> Spec | MergeSpec:
-        """What the runner plans and executes."""
+    def job(self, config: Path | None = None) -> Spec | MergeSpec:
+        """What the runner plans and executes; `config`: the model's config.json to read instead of the input's own."""
         merge = self.stage("merge")
         if merge is not None:
+            if config is not None:
+                raise RecipeError("merge reads the config.json beside the shards", fix="drop --config")
             return MergeSpec(max_shard_bytes=defaults.parse_size(merge.max_shard_size))
-        return self.spec()
+        return self.spec() if config is None else dataclasses.replace(self.spec(), config=Path(config))
 
 
 PRESET_FLAGS = {"stages.quantize.format": "--to", "stages.quantize.group_size": "--group-size", "stages.shard.mp": "--mp", "stages.download.max_input_files": "--max-input-files", "stages.merge.max_shard_size": "--max-shard-size",
@@ -307,8 +310,8 @@ def validate_recipe(data: dict, source: object = "<recipe>", text: str | None = 
 
 def _fix_for(err: dict) -> str:
     if err["type"] == "extra_forbidden":
-        return "remove or correct that key; see README 'Recipe reference' for the allowed keys"
-    return "see README 'Recipe reference'"
+        return "remove or correct that key; see docs/recipes.md for the allowed keys"
+    return "see docs/recipes.md (the recipe reference)"
 
 
 def _allowed_keys(loc: tuple) -> list[str]:

@@ -43,7 +43,7 @@ from ckpttool.publish.destination import (
 )
 from ckpttool.publish.publish import publish
 from ckpttool.recipe import INPUT, DownloadStage, Execution, Recipe
-from ckpttool.timing import Timings
+from ckpttool.timing import Timings, rank_timeline
 from ckpttool.verify.preflight import check_prompt_source, input_reference
 
 Job = Spec | MergeSpec
@@ -82,6 +82,7 @@ class Request:
     quiet: bool = False  # no progress output (a report is still returned)
     revision: str | None = None  # a repo id's branch, tag or commit (--revision); over the recipe's download.revision
     token: str | None = None  # the hub token (--token); never in a recipe, a plan or a report
+    config: Path | None = None  # the model's config.json to read instead of the one beside SRC's tensors (--config)
 
 
 NUMPY_LOOPS = ("dequantized on the CPU by numpy's loops, about 3x slower than compiled ones: no C compiler was "
@@ -153,9 +154,11 @@ def run(request: Request) -> RunReport | dict:
     """Do what the request asks: with dry_run the plan report (a dict), else convert, publish and
     (with a verify stage) verify, returning the run's report."""
     recipe = request.recipe
-    job = recipe.job()
+    job = recipe.job(request.config)
     src = resolve_input(recipe, request.src, quiet=request.quiet, stream=isinstance(job, Spec),
                         revision=request.revision, token=request.token) if request.hub_input else Path(request.src)
+    if request.config is not None and not isinstance(src, Path):
+        raise RecipeError("--config is read for a local input; a hub repo's config.json is its own", fix="drop --config")
     if request.dry_run:
         return plan_report(src, job, recipe, request.dst)
     if request.dst is None:
@@ -380,7 +383,9 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
             raise
         finally:
             staging.close_files()
-            everyone_ok = group.all_ok(ok)
+            everyone_ok, notes = group.all_ok(ok, clock.rank_note(group.rank))
+            if group.world_size > 1 and group.rank == 0:
+                clock.ranks = rank_timeline(notes)
         try:
             if not everyone_ok:
                 raise OutputError("another rank failed; this rank's work is journalled", file=dst / PARTIAL_DIR,

@@ -42,7 +42,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("CKPTTOOL_JOURNAL_BYTES", str(1 << 30), int, "bytes written between two journal commits (work a crash redoes)"),
     Setting("CKPTTOOL_JOURNAL_SECONDS", "2.0", float, "seconds between two journal commits, at most"),
     Setting("CKPTTOOL_RANK_TIMEOUT_S", "60", float, "a forked rank silent this long is ended and fails the run, named"),
-    Setting("CKPTTOOL_JOIN_TIMEOUT_S", "300", float, "how long a torchrun rank waits for the others to join"),
+    Setting("CKPTTOOL_JOIN_TIMEOUT_S", "300", float, "how long a torchrun rank or a node waits for the others to join"),
+    Setting("CKPTTOOL_NODES", "", str, "`HOST:PORT,N,R`: this process is node R of N running the same command, node 0 "
+            "listening on HOST:PORT (several machines without torchrun or torch; docs/performance.md)"),
     Setting("CKPTTOOL_HUB_STALL_S", "30", float, "a hub transfer that makes no progress this long is given up"),
     Setting("CKPTTOOL_HUB_MIN_BYTES", str(256 << 10), int, "the bytes a hub transfer must move in each stall window"),
     Setting("CKPTTOOL_FAULT", "", str, "tests only: a failpoint, point:n[:kill|enospc|stop][@rank] (faults.py)"),

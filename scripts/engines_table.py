@@ -1,10 +1,10 @@
-"""Renders an engines report (what `pytest -m engines` proved) as the README's Engines tables, so the README
+"""Renders an engines report (what `pytest -m engines` proved) as docs/engines.md's tables, so the docs
 says what the recorded engines run proved and nothing else.
 
     python scripts/engines_table.py                                   # print the tables of the committed record
     python scripts/engines_table.py --from build/engines-report.json  # print those of the last run
     python scripts/engines_table.py --from build/engines-report.json --write
-        # make that run the committed record (tests/engines/report.json) and replace the README's tables
+        # make that run the committed record (tests/engines/report.json) and replace docs/engines.md's tables
 
 The tier itself writes only build/engines-report.json (untracked): the committed record changes when a
 person decides it should.
@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 REPORT = REPO / "tests" / "engines" / "report.json"
 LAST_RUN = REPO / "build" / "engines-report.json"
-README = REPO / "README.md"
+README = REPO / "docs" / "engines.md"
 START, END = "<!-- engines-table:start (scripts/engines_table.py) -->", "<!-- engines-table:end -->"
 ENGINES = ("vllm", "llama.cpp")
 _VERDICT = {"equal": "same ids", "explained": "known difference", "skipped": "skipped", "failed": "FAILED",
@@ -67,7 +67,7 @@ def render(report: dict) -> str:
 
 
 def readme_block(text: str) -> str:
-    """What README.md holds between the markers."""
+    """What docs/engines.md holds between the markers."""
     return text.split(START, 1)[1].split(END, 1)[0].strip()
 
 

@@ -96,6 +96,27 @@ PROVEN: tuple[Proven, ...] = (
             "test_minimax_m3.py::test_verify_refuses_what_the_indexer_would_not_keep_whole",
             "test_minimax_m3.py::test_plan_inspect_and_refusals_say_why",
             "test_minimax_m3.py::test_config_is_read_as_minimaxm3vltextconfig_reads_it")),
+    Proven("Mistral Large 4 (`mistral_large4`): its text model (`mistral_large4_text`), vision tower and projector "
+           "passed through", ("mistral_large4",), "yes; vision tower and projector unchanged",
+           "1, 2, 4 (vision tower and projector whole on rank 0)",
+           "byte for byte (Mistral's names, the whole file; transformers' own: experts one by one, named as "
+           "transformers stacks them on load)",
+           "mp 1, 2 (as transformers' MistralLarge4ForConditionalGeneration), both spellings",
+           "GLM-5's DSA without a query LoRA: NoPE layers (`no_rope_layers`), latent KV shared across layers "
+           "(`kv_source_layers`: reusing layers hold no `kv_a_proj_with_mqa` and read their source's cache), "
+           "shared-indexer layers, per-head softmax scaling cut with the heads, LeRoPE's `rotary_emb.alpha` (float32) "
+           "and the indexers replicated, `final_logit_softcapping`, the router kept in float32; dense attention within "
+           "`index_topk` (longer is refused), `--attn naive` refused; read in Mistral's own names (the hub's and "
+           "save_pretrained's) and transformers' own. Refused: the text model alone, a `kv_source_layers` transformers "
+           "would read otherwise",
+           ("test_mistral_large4.py::test_shard_then_verify_gives_transformers_greedy_tokens",
+            "test_mistral_large4.py::test_what_large4_adds_moves_the_logits_the_comparison_checks",
+            "test_mistral_large4.py::test_both_spellings_shard_to_the_same_text_tower_and_rank0_carries_the_rest",
+            "test_mistral_large4.py::test_merge_gives_each_spelling_back",
+            "test_mistral_large4.py::test_hf_outputs_load_in_transformers_as_the_model_they_came_from",
+            "test_mistral_large4.py::test_expected_shapes_are_what_transformers_saved",
+            "test_mistral_large4.py::test_layers_read_as_the_class_derives_them",
+            "test_mistral_large4.py::test_configs_transformers_would_read_otherwise_are_refused")),
     Proven("DeepSeek-V2 / V2-Lite (`deepseek_v2`)", ("deepseek_v2",), "yes", "1, 2, 4", "tensor for tensor",
            "mp 1, 2, 4", "",
            ("test_convert.py::test_shard_bf16_v2_lite_equals_reference",
@@ -237,22 +258,33 @@ PROVEN: tuple[Proven, ...] = (
             "test_kimi_linear.py::test_shard_mp4_then_merge_is_byte_identical_in_its_own_spelling",
             "test_kimi_linear.py::test_fields_are_read_as_kimi_linear_config_reads_them",
             "test_kimi_linear.py::test_what_transformers_does_not_build_is_refused_by_name")),
-    Proven("LongCat-Flash (`longcat_flash`), BF16, in the published spelling (zero experts hold no weights) and "
-           "transformers' save_pretrained's", ("longcat_flash",), "yes",
-           "1, 2, 4 (8 refused: heads; mp must divide routed + zero experts)", "byte for byte, each spelling",
+    Proven("LongCat-Flash (`longcat_flash`), BF16, in the published spelling (zero experts hold no weights, MTP "
+           "layer) and transformers' save_pretrained's (per expert, or its own stacked form)", ("longcat_flash",), "yes",
+           "1, 2, 4 (8 refused: heads; mp must divide routed + zero experts)",
+           "byte for byte, each spelling (MTP layer too); the stacked form merges to the per-expert one",
            "mp 1, 2 (as transformers' LongcatFlashForCausalLM)",
            "two MLA sublayers per layer (query LoRA, LoRA scaling of the query and latent, interleaved rotary pairs) "
            "cut on whole heads, two dense MLPs, a shortcut MoE: softmax over routed + zero (identity) experts, "
            "correction bias for the choice, unnormalised weights times `routed_scaling_factor`. Zero experts are "
            "counted as experts after the routed ones (the router's width, the ranges ranks own); transformers' "
-           "save_pretrained writes unused gate and up projections for them, carried to their rank. transformers "
-           "5.24 cannot load the published spelling (a size mismatch): verify against it falls back to the bundled "
-           "model, said so. Refused by name: attention biases, `router_bias`, LoRA scaling off, non-identity zero "
-           "experts, rope types other than default; MTP tensors (`model.mtp.*`) have no rows",
+           "save_pretrained writes unused gate and up projections for them, carried to their rank; its own form "
+           "(`save_original_format=False`: experts stacked, zero-expert slots in `gate_up_proj` only) is read as "
+           "its per-expert one. `attention_bias`: the q_a/kv_a biases replicated, o_proj's added once after the "
+           "sum. The published MTP layer (`model.mtp.*`, which transformers ignores) is kept in HF outputs, dropped "
+           "from mp by default; `--keep-mtp` cuts it like a layer and verify compares it with the reference (not "
+           "run, said so). transformers 5.24 cannot load the published spelling (a size mismatch): verify against "
+           "it falls back to the bundled model, said so. Refused by name: `router_bias`, LoRA scaling off, "
+           "non-identity zero experts, rope types other than default",
            ("test_longcat_flash.py::test_shard_then_verify_gives_transformers_greedy_tokens",
             "test_longcat_flash.py::test_shard_mp4_then_merge_is_byte_identical_in_its_own_spelling",
             "test_longcat_flash.py::test_heads_are_cut_whole_and_zero_experts_ranked_after_routed_ones",
             "test_longcat_flash.py::test_a_published_reference_falls_back_to_the_bundled_model_and_says_why",
             "test_longcat_flash.py::test_fields_are_read_as_longcat_flash_config_reads_them",
-            "test_longcat_flash.py::test_what_ckpttools_model_does_not_build_is_refused_by_name")),
+            "test_longcat_flash.py::test_what_ckpttools_model_does_not_build_is_refused_by_name",
+            "test_longcat_flash.py::test_transformers_own_stacked_form_reads_as_its_per_expert_spelling",
+            "test_longcat_flash.py::test_the_stacked_form_verifies_against_itself",
+            "test_longcat_flash.py::test_attention_biases_are_cut_as_their_weights",
+            "test_longcat_flash.py::test_attention_biases_verify_as_transformers",
+            "test_longcat_flash.py::test_a_kept_mtp_layer_is_cut_like_a_layer_and_merges_back_byte_for_byte",
+            "test_longcat_flash.py::test_a_kept_mtp_layer_verifies_and_is_compared_with_the_reference")),
 )

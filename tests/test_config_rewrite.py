@@ -88,7 +88,7 @@ def test_shard_and_merge_carry_the_explicit_config(tmp_path):
 
 
 def test_readme_engines_table_is_the_last_engines_run():
-    """The README's Engines tables say what tests/engines/report.json (written by `pytest -m engines`) proved."""
+    """docs/engines.md's Engines tables say what tests/engines/report.json (written by `pytest -m engines`) proved."""
     import importlib.util
 
     from conftest import REPO

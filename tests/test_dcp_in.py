@@ -83,6 +83,27 @@ def test_dcp_to_mp_is_the_hf_checkpoints_shards(dcps, tmp_path, which):
         assert (tmp_path / "dcp-mp" / name).read_bytes() == (tmp_path / "hf-mp" / name).read_bytes(), name
 
 
+def test_torchrun_ranks_and_dequant_shard_presets_read_a_dcp(dcps, tmp_path):
+    """Under torchrun each rank assembles its share of the files from the chunks; `shard` and `dequant` (presets of
+    the same pipeline) read a DCP as convert does: the bytes of one process's convert."""
+    import os
+    import subprocess
+    import sys
+
+    run_cli("convert", dcps["qwen2-3"], tmp_path / "one", "--mp", 2, "--quiet")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "ckpttool",
+         "convert", str(dcps["qwen2-3"]), str(tmp_path / "ranks"), "--mp", "2", "--quiet", "--workers", "1"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_cli("shard", dcps["qwen2-3"], tmp_path / "shard", "--mp", 2, "--dtype", "bf16", "--quiet")
+    for out in ("ranks", "shard"):
+        assert {p.name: p.read_bytes() for p in (tmp_path / out).iterdir()} == \
+            {p.name: p.read_bytes() for p in (tmp_path / "one").iterdir()}, out
+    run_cli("dequant", dcps["qwen2-3"], tmp_path / "dequant", "--quiet")
+    _same_bytes(_tensors(tmp_path / "dequant"), _tensors(dcps["hf"]["qwen2"]))
+
+
 def test_inspect_lists_every_stored_chunk(dcps):
     import json
 
@@ -205,7 +226,32 @@ def test_a_missing_config_says_where_to_put_it(dcps, tmp_path):
     dst = tmp_path / "dcp"
     shutil.copytree(dcps["llama"], dst)
     (dst / "config.json").unlink()
-    _refused(dst, tmp_path, "config.json is missing", "beside .metadata")
+    _refused(dst, tmp_path, "config.json is missing", "beside .metadata", "--config")
+
+
+def test_a_config_from_elsewhere_is_read_with_config(dcps, tmp_path):
+    """A trainer's DCP directory holds no config.json: --config names the model's, and convert, shard and plan read
+    it as if it were beside .metadata (the same bytes); merge and a hub input refuse the flag."""
+    dst = tmp_path / "dcp"
+    shutil.copytree(dcps["llama"], dst)
+    (dst / "config.json").rename(tmp_path / "llama-config.json")
+    run_cli("convert", dcps["llama"], tmp_path / "beside", "--mp", 2, "--quiet")
+    run_cli("convert", dst, tmp_path / "given", "--mp", 2, "--quiet", "--config", tmp_path / "llama-config.json")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "given").iterdir()} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "beside").iterdir()}
+    assert run_cli("plan", dst, "--config", tmp_path / "llama-config.json").returncode == 0
+    hf = tmp_path / "hf-without-config"  # an HF directory reads it the same way
+    shutil.copytree(dcps["hf"]["llama"], hf)
+    (hf / "config.json").unlink()
+    run_cli("convert", hf, tmp_path / "hf-given", "--mp", 2, "--quiet", "--config", tmp_path / "llama-config.json")
+    for name in ("model0-mp2.safetensors", "model1-mp2.safetensors", "config.json"):  # its side files differ
+        assert (tmp_path / "hf-given" / name).read_bytes() == (tmp_path / "beside" / name).read_bytes(), name
+    proc = run_cli("merge", tmp_path / "given", tmp_path / "m", "--config", tmp_path / "llama-config.json",
+                   check=False)
+    assert proc.returncode == 2 and not (tmp_path / "m").exists(), proc.stderr  # merge has no --config
+    proc = run_cli("convert", dst, tmp_path / "bad", "--config", tmp_path / "missing.json", check=False)
+    assert proc.returncode == 1 and "config.json is missing" in proc.stderr and "missing.json" in proc.stderr
+    assert not (tmp_path / "bad").exists()
 
 
 def test_manifest_is_written(dcps, tmp_path):

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import load_dir, run_cli
+from family_checks import verify_equals_transformers
 from dense_models import NEW_TOKENS, PROMPT, TINY, build_hf, config_of, greedy_oracle
 
-from ckpttool.verify.run import run_verify
 
 pytest.importorskip("transformers")
 
@@ -38,12 +38,7 @@ def test_shard_then_verify_gives_transformers_greedy_tokens(dense_hf, tmp_path, 
     out = tmp_path / "mp"
     run_cli("shard", hf, out, "--mp", mp, "--quiet")
     assert sorted(load_dir(out)) == [f"model{r}-mp{mp}.safetensors" for r in range(mp)]
-    report = run_verify(out, prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf,
-                        logits_path=tmp_path / "logits.safetensors")
-    assert report.ok, report.render(out)
-    assert report.generated_ids == ids
-    ours = load_file(str(tmp_path / "logits.safetensors"))["logits"]
-    assert (ours - logits).abs().max() < 1e-3
+    verify_equals_transformers(out, hf, ids, logits, tmp_path, PROMPT, NEW_TOKENS)
 
 
 def test_mp_layout_names_splits_and_gqa_replication(dense_hf, tmp_path):

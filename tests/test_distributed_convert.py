@@ -44,6 +44,13 @@ def test_torchrun_ranks_split_their_share_over_forked_processes(tiny_v3, tmp_pat
     report = json.loads(proc.stdout)  # rank 0's
     assert report["processes"] == processes, report
     assert _tree(tmp_path / "multi") == _tree(tmp_path / "single")
+    # rank 0's report holds every rank's timeline (issue 43: where a multi-node run's time goes, from one report)
+    timeline = report["timing"]["ranks"]
+    assert [r["rank"] for r in timeline] == list(range(nproc)), timeline
+    for r in timeline:
+        assert 0 <= r["process"] <= r["convert"] <= r["barrier"], r  # seconds after the earliest process start
+        assert r["phases_s"]["execute"] > 0 and "hash_wait" in r["phases_s"], r
+    assert min(r["process"] for r in timeline) == 0
 
 
 def test_torchrun_setup_error_reaches_every_rank(tiny_v3, tmp_path):

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import load_dir, run_cli
+from family_checks import assert_same_tensors, verify_equals_transformers
 from dense_models import NEW_TOKENS, PROMPT, build_hf, greedy_oracle, stack_experts
 
 from ckpttool.errors import InputError, PlanError
@@ -58,9 +59,7 @@ def _config(hf) -> dict:
 
 def _equal_files(a, b) -> None:
     original, merged = load_file(str(a)), load_file(str(b))
-    assert original.keys() == merged.keys()
-    for name, tensor in original.items():
-        assert tensor.dtype == merged[name].dtype and torch.equal(tensor, merged[name]), name
+    assert_same_tensors(original, merged)
 
 
 def test_every_type_has_a_tiny_model():
@@ -277,12 +276,9 @@ def test_multimodal_wrapper_text_tower_verifies_and_the_rest_passes_through(wrap
     assert any(n.startswith("model.visual.") for n in shards["model0-mp2.safetensors"])
     assert not any(n.startswith(("model.visual.", "mtp.")) for n in shards["model1-mp2.safetensors"])
     assert _config(tmp_path / "mp")["text_config"]["mtp_num_hidden_layers"] == 0  # MTP dropped from mp outputs
-    report = run_verify(tmp_path / "mp", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf,
-                        logits_path=tmp_path / "logits.safetensors")
-    assert report.ok, report.render(tmp_path / "mp")
+    report = verify_equals_transformers(tmp_path / "mp", hf, ids, logits, tmp_path, PROMPT, NEW_TOKENS)
     rendered = report.render(tmp_path / "mp")  # AutoModelForCausalLM of qwen3_5_moe: its text model, visual ignored
-    assert report.generated_ids == ids and "Qwen3_5MoeForCausalLM" in rendered and "vision tower" in rendered
-    assert (load_file(str(tmp_path / "logits.safetensors"))["logits"] - logits).abs().max() < 1e-3
+    assert "Qwen3_5MoeForCausalLM" in rendered and "vision tower" in rendered
 
 
 def test_multimodal_wrapper_merges_back_byte_for_byte_mtp_and_vision_tower_included(wrapper_hf, tmp_path):

@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import load_dir, run_cli
+from family_checks import assert_same_tensors, verify_equals_transformers
 from dense_models import NEW_TOKENS, PROMPT, build_hf, greedy_oracle
 
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.kimi_linear import spec
-from ckpttool.verify.run import run_verify
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,9 +65,7 @@ def kimi_hf(tmp_path_factory) -> dict:
 
 def _equal_files(a, b) -> None:
     original, merged = load_file(str(a)), load_file(str(b))
-    assert original.keys() == merged.keys()
-    for name, tensor in original.items():
-        assert tensor.dtype == merged[name].dtype and torch.equal(tensor, merged[name]), name
+    assert_same_tensors(original, merged)
 
 
 def test_config_defaults_are_the_transformers_class_defaults():
@@ -110,13 +108,8 @@ def test_shard_then_verify_gives_transformers_greedy_tokens(kimi_hf, tmp_path, s
     hf, ids, logits = kimi_hf[spelling]
     out = tmp_path / "mp"
     run_cli("shard", hf, out, "--mp", mp, "--quiet")
-    report = run_verify(out, prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf,
-                        logits_path=tmp_path / "logits.safetensors")
-    assert report.ok, report.render(out)
-    assert report.generated_ids == ids
+    report = verify_equals_transformers(out, hf, ids, logits, tmp_path, PROMPT, NEW_TOKENS)
     assert "KimiLinearForCausalLM" in report.render(out)
-    ours = load_file(str(tmp_path / "logits.safetensors"))["logits"]
-    assert (ours - logits).abs().max() < 1e-3
 
 
 @pytest.mark.parametrize("spelling", ["transformers", "hub"])

@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import load_dir, run_cli
+from family_checks import assert_same_tensors, verify_equals_transformers
 from dense_models import NEW_TOKENS, PROMPT, build_hf, greedy_oracle
 
 from ckpttool.errors import PlanError
 from ckpttool.families.llama4 import spec
-from ckpttool.verify.run import run_verify
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,11 +72,7 @@ def test_expected_shapes_are_what_transformers_saved(llama4):
 def test_shard_then_verify_gives_transformers_greedy_tokens(llama4, tmp_path, mp):
     hf, ids, logits = llama4
     run_cli("shard", hf, tmp_path / "mp", "--mp", mp, "--quiet")
-    report = run_verify(tmp_path / "mp", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf,
-                        logits_path=tmp_path / "logits.safetensors")
-    assert report.ok, report.render(tmp_path / "mp")
-    assert report.generated_ids == ids
-    assert (load_file(str(tmp_path / "logits.safetensors"))["logits"] - logits).abs().max() < 1e-3
+    verify_equals_transformers(tmp_path / "mp", hf, ids, logits, tmp_path, PROMPT, NEW_TOKENS)
 
 
 def test_shard_mp4_keeps_experts_stacked_by_range_and_merges_back_byte_identical(llama4, tmp_path):
@@ -91,9 +87,7 @@ def test_shard_mp4_keeps_experts_stacked_by_range_and_merges_back_byte_identical
                            src["model.layers.1.feed_forward.shared_expert.down_proj.weight"][:, r * 8:(r + 1) * 8])
     run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--quiet")
     merged = load_dir(tmp_path / "hf")["model.safetensors"]
-    assert src.keys() == merged.keys()
-    for name, tensor in src.items():
-        assert tensor.dtype == merged[name].dtype and torch.equal(tensor, merged[name]), name
+    assert_same_tensors(src, merged)
 
 
 def test_plan_and_inspect_read_it_and_refusals_say_why(llama4, tmp_path):

@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import load_dir, run_cli
+from family_checks import assert_same_tensors, verify_equals_transformers
 from dense_models import NEW_TOKENS, PROMPT, build_hf, greedy_oracle
 
 from ckpttool.families.mimo import spec
-from ckpttool.verify.run import run_verify
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,11 +71,7 @@ def test_expected_shapes_are_what_transformers_saved(mimo):
 def test_shard_then_verify_gives_transformers_greedy_tokens(mimo, tmp_path, mp):
     hf, ids, logits = mimo
     run_cli("shard", hf, tmp_path / "mp", "--mp", mp, "--quiet")
-    report = run_verify(tmp_path / "mp", prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf,
-                        logits_path=tmp_path / "logits.safetensors")
-    assert report.ok, report.render(tmp_path / "mp")
-    assert report.generated_ids == ids
-    assert (load_file(str(tmp_path / "logits.safetensors"))["logits"] - logits).abs().max() < 1e-3
+    verify_equals_transformers(tmp_path / "mp", hf, ids, logits, tmp_path, PROMPT, NEW_TOKENS)
 
 
 def test_shard_mp4_replicates_kv_heads_per_layer_kind_and_merges_back_byte_identical(mimo, tmp_path):
@@ -90,9 +86,7 @@ def test_shard_mp4_replicates_kv_heads_per_layer_kind_and_merges_back_byte_ident
         assert torch.equal(s["layers.2.attention.sinks"], src["model.layers.2.self_attn.attention_sink_bias"][r:r + 1])
     run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--quiet")
     merged = load_dir(tmp_path / "hf")["model.safetensors"]
-    assert src.keys() == merged.keys()
-    for name, tensor in src.items():
-        assert tensor.dtype == merged[name].dtype and torch.equal(tensor, merged[name]), name
+    assert_same_tensors(src, merged)
 
 
 def test_transformers_own_form_reads_as_the_published_one(mimo, tmp_path):

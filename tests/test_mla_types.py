@@ -163,11 +163,3 @@ def test_what_the_model_does_not_implement_is_refused_by_name(change, message):
     base = {k: v for k, v in TINY[change["model_type"]].items() if k not in ("cls", "config")}
     with pytest.raises(InputError, match=message):
         ModelArgs.from_hf_config({**base, **change})
-
-
-@pytest.mark.parametrize("model_type", ["mistral_large4", "mistral_large4_text"])
-def test_mistral_large4_is_refused_saying_what_is_missing(model_type):
-    from ckpttool.families.table import family_for
-
-    with pytest.raises(InputError, match=r"NoPE layers.*kv_source_layers.*final_logit_softcapping"):
-        family_for({"model_type": model_type})

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import load_dir, run_cli
+from family_checks import assert_same_tensors, verify_equals_transformers
 from dense_models import NEW_TOKENS, PROMPT, build_hf, greedy_oracle
 
 from ckpttool.families.moe import spec
@@ -98,12 +99,7 @@ def test_shard_then_verify_gives_transformers_greedy_tokens(moe_hf, tmp_path, mo
     hf, ids, logits = moe_hf[model_type]
     out = tmp_path / "mp"
     run_cli("shard", hf, out, "--mp", mp, "--quiet")
-    report = run_verify(out, prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, device="cpu", reference=hf,
-                        logits_path=tmp_path / "logits.safetensors")
-    assert report.ok, report.render(out)
-    assert report.generated_ids == ids
-    ours = load_file(str(tmp_path / "logits.safetensors"))["logits"]
-    assert (ours - logits).abs().max() < 1e-3
+    verify_equals_transformers(out, hf, ids, logits, tmp_path, PROMPT, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
@@ -113,9 +109,7 @@ def test_shard_mp4_then_merge_is_byte_identical_per_tensor(moe_hf, tmp_path, mod
     run_cli("shard", hf, tmp_path / "mp", "--mp", mp, "--quiet")
     run_cli("merge", tmp_path / "mp", tmp_path / "hf", "--quiet")
     original, merged = load_file(str(hf / "model.safetensors")), load_dir(tmp_path / "hf")["model.safetensors"]
-    assert original.keys() == merged.keys()
-    for name, tensor in original.items():
-        assert tensor.dtype == merged[name].dtype and torch.equal(tensor, merged[name]), name
+    assert_same_tensors(original, merged)
 
 
 def test_routed_experts_go_whole_to_their_rank_and_full_qk_norm_is_cut_on_heads(moe_hf, tmp_path):

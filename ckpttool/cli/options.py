@@ -52,6 +52,9 @@ Revision = Annotated[Optional[str], typer.Option(
     "--revision", help="A hub input's branch, tag or commit (default main; also SRC@revision, as namespace/name@v1.0).")]
 Token = Annotated[Optional[str], typer.Option(
     "--token", help="Hub token for a private or gated repo (default: HF_TOKEN or the saved `hf auth login` token).")]
+ConfigOpt = Annotated[Optional[Path], typer.Option(
+    "--config", help="The model's HF config.json, for an input without one beside its tensors (a torch distributed "
+    "checkpoint written by a trainer); read instead of the input's own.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace ckpttool output already in DST.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run in DST; byte-identical result.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and exit; reads no weights.")]

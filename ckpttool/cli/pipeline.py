@@ -14,6 +14,7 @@ import typer
 
 from ckpttool import defaults
 from ckpttool.cli.options import (
+    ConfigOpt,
     Device,
     DryRun,
     Dst,
@@ -61,12 +62,13 @@ def _dequant_flag(dtype: str | None, default: bool) -> bool:
 
 def _execute(recipe: Recipe, src: str | Path | None, dst: Path | None, *, overwrite: bool = False,
              resume: bool = False, quiet: bool = False, as_json: bool = False, dry_run: bool = False,
-             hub_input: bool = False, revision: str | None = None, token: str | None = None) -> None:
+             hub_input: bool = False, revision: str | None = None, token: str | None = None,
+             config: Path | None = None) -> None:
     if not reports_here():
         quiet, as_json = True, False
     report = run_request(Request(recipe=recipe, src=src, dst=dst, hub_input=hub_input, overwrite=overwrite,
                                  resume=resume, dry_run=dry_run, quiet=quiet or as_json, revision=revision,
-                                 token=token))
+                                 token=token, config=config))
     if dry_run:
         _print_plan(report, as_json)
         return
@@ -150,12 +152,12 @@ def _hub_plan_lines(h: dict) -> str:
 
 def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None, max_memory: MaxMemory = None,
             workers: Workers = None, processes: Processes = None, device: Device = defaults.DEVICE,
-            max_input_files: MaxInputFiles = None, revision: Revision = None, token: Token = None,
+            max_input_files: MaxInputFiles = None, revision: Revision = None, token: Token = None, config: ConfigOpt = None,
             overwrite: Overwrite = False, resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False,
             json_: Json = False) -> None:
     """Quantized HF checkpoint -> BF16 HF checkpoint (index, config and tokenizer rewritten/copied).
 
-    Reads the formats README's "Quantized inputs" lists: FP8, MXFP4, compressed-tensors, ModelOpt, GPTQ, AWQ.
+    Reads the formats README's formats table lists: FP8, MXFP4, compressed-tensors, ModelOpt, GPTQ, AWQ.
 
     Example: ckpttool dequant ./DeepSeek-V3 ./DeepSeek-V3-bf16
     """
@@ -164,13 +166,13 @@ def dequant(src: Src, dst: Dst, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = No
     recipe = preset("dequant", dequant=True, keep_mtp=keep_mtp, max_memory=max_memory, workers=workers,
                     processes=processes, device=device, max_input_files=max_input_files)
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
-             hub_input=True, revision=revision, token=token)
+             hub_input=True, revision=revision, token=token, config=config)
 
 
 def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, help="Model-parallel ranks.")],
           dtype: DtypeOpt = None, keep_mtp: KeepMtp = None, max_memory: MaxMemory = None, workers: Workers = None,
           processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
-          revision: Revision = None, token: Token = None, overwrite: Overwrite = False, resume: Resume = False,
+          revision: Revision = None, token: Token = None, config: ConfigOpt = None, overwrite: Overwrite = False, resume: Resume = False,
           dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """HF checkpoint (or mp shards of another N) -> model{i}-mp{N}.safetensors shards (FP8 kept unless --dtype bf16).
 
@@ -183,14 +185,14 @@ def shard(src: Src, dst: Dst, mp: Annotated[int, typer.Option("--mp", min=1, hel
     recipe = preset("shard", dequant=_dequant_flag(dtype, False), mp=mp, keep_mtp=keep_mtp, max_memory=max_memory,
                     workers=workers, processes=processes, device=device, max_input_files=max_input_files)
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
-             hub_input=True, revision=revision, token=token)
+             hub_input=True, revision=revision, token=token, config=config)
 
 
 def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mtp: KeepMtp = None,
             verify: VerifyOpt = False, prompt: PromptOpt = None, prompt_ids: PromptIdsOpt = None,
             max_memory: MaxMemory = None, workers: Workers = None,
             processes: Processes = None, device: Device = defaults.DEVICE, max_input_files: MaxInputFiles = None,
-            revision: Revision = None, token: Token = None, overwrite: Overwrite = False, resume: Resume = False,
+            revision: Revision = None, token: Token = None, config: ConfigOpt = None, overwrite: Overwrite = False, resume: Resume = False,
             dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False, layout: LayoutOpt = None) -> None:
     """All stages fused in one pass: FP8 HF straight to BF16 mp shards, no intermediate copy.
 
@@ -224,7 +226,7 @@ def convert(src: Src, dst: Dst, mp: Mp = None, dtype: DtypeOpt = "bf16", keep_mt
                              max_input_files, processes, prompt=prompt,
                              prompt_ids=None if prompt_ids is None else parse_ids(prompt_ids), layout=layout)
     _execute(recipe, src, dst, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
-             hub_input=True, revision=revision, token=token)
+             hub_input=True, revision=revision, token=token, config=config)
 
 
 def _convert_recipe(name: str, mp: int | None, dtype: str | None, keep_mtp: bool | None, verify_device: str | None,
@@ -265,7 +267,7 @@ def run(recipe_path: Annotated[Path, typer.Argument(
             "--input", "-i", help="Input directory; or a hub repo id (namespace/name), downloaded when the recipe has a "
                                   "download stage or no such local path exists.")] = None,
         output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory.")] = None,
-        set_: SetOpt = None, revision: Revision = None, token: Token = None, overwrite: Overwrite = False,
+        set_: SetOpt = None, revision: Revision = None, token: Token = None, config: ConfigOpt = None, overwrite: Overwrite = False,
         resume: Resume = False, dry_run: DryRun = False, quiet: Quiet = False, json_: Json = False) -> None:
     """Run a YAML recipe: its download, dequant, shard and verify stages, each optional, in one pass.
 
@@ -273,7 +275,7 @@ def run(recipe_path: Annotated[Path, typer.Argument(
     """
     recipe = load_recipe(recipe_path, set_ or [])
     _execute(recipe, input_, output, overwrite=overwrite, resume=resume, quiet=quiet, as_json=json_, dry_run=dry_run,
-             hub_input=True, revision=revision, token=token)
+             hub_input=True, revision=revision, token=token, config=config)
 
 
 def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output directory (for the free-space check).")] = None,
@@ -281,7 +283,7 @@ def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output di
          recipe_path: Annotated[Optional[str], typer.Option(
              "--recipe", help="Plan a recipe (a file or a bundled recipe's name) instead of flags.")] = None,
          set_: SetOpt = None, max_memory: MaxMemory = None, workers: Workers = None, processes: Processes = None,
-         max_input_files: MaxInputFiles = None, revision: Revision = None, token: Token = None,
+         max_input_files: MaxInputFiles = None, revision: Revision = None, token: Token = None, config: ConfigOpt = None,
          quiet: Quiet = False, json_: Json = False, layout: LayoutOpt = None) -> None:
     """Print what `convert` with the same flags would write, from headers alone.
 
@@ -300,4 +302,4 @@ def plan(src: Src, dst: Annotated[Optional[Path], typer.Argument(help="Output di
         recipe = _convert_recipe("plan", mp, dtype, keep_mtp, None, max_memory, workers, defaults.DEVICE,
                                  max_input_files, processes, layout=layout)
     _execute(recipe, src, dst, quiet=quiet, as_json=json_, dry_run=True, hub_input=True, revision=revision,
-             token=token)
+             token=token, config=config)

@@ -1,7 +1,8 @@
 """Conversion across processes (`torchrun ... -m ckpttool convert ...`, one node or several with a
-shared filesystem): every rank plans the same thing from headers, takes its share of the output
-files, and rank 0 sets up the staging directory before and publishes after. torch.distributed
-(gloo) carries only barriers and rank 0's set-up outcome; tensors never cross processes."""
+shared filesystem; or the same command on N machines with CKPTTOOL_NODES=HOST:PORT,N,R, no torch): every rank plans
+the same thing from headers, takes its share of the output files, and rank 0 sets up the staging directory before
+and publishes after. torch.distributed (gloo) under torchrun, or execute/rendezvous.py's sockets, carry only rank 0's
+set-up outcome and each rank's flag and timeline at the end; tensors never cross processes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import os
 from datetime import timedelta
 
 from ckpttool import settings
+from ckpttool import errors
 from ckpttool.errors import CkptError
+from ckpttool.execute import rendezvous
 from ckpttool.plan.types import Plan
 
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -23,10 +26,22 @@ def launched_by_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
+def nodes_setting() -> tuple[str, int, int, int] | None:
+    """CKPTTOOL_NODES as (host, port, nodes, rank), or None where unset; refused beside a torchrun launch."""
+    text = settings.get(rendezvous.SETTING).strip()
+    if not text:
+        return None
+    if launched_by_torchrun():
+        raise CkptError(f"both torchrun and {rendezvous.SETTING} say how many processes run",
+                        fix=f"unset {rendezvous.SETTING} under torchrun, or start without torchrun")
+    return rendezvous.parse_nodes(text)
+
+
 def world() -> tuple[int, int]:
-    """(rank, world size) under torchrun; (0, 1) otherwise, whatever stray variables say."""
+    """(rank, world size) under torchrun or CKPTTOOL_NODES; (0, 1) otherwise, whatever stray variables say."""
     if not launched_by_torchrun():
-        return 0, 1
+        nodes = nodes_setting()
+        return (0, 1) if nodes is None else (nodes[3], nodes[2])
     try:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     except ValueError:
@@ -69,13 +84,19 @@ def assign_files(plan: Plan, world_size: int, among: set[str] | None = None) -> 
 
 
 class Group:
-    """A gloo group for barriers when world size > 1; a no-op otherwise (and torch is not imported)."""
+    """The ranks of one run when world size > 1: torch.distributed's gloo under torchrun, execute/rendezvous.py's
+    sockets under CKPTTOOL_NODES; a no-op otherwise (and torch is not imported)."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self._owned = False
-        self.dist = None
+        self.dist = self.sockets = None
         if world_size == 1:
+            return
+        if not launched_by_torchrun():
+            host, port, nodes, _ = nodes_setting()
+            self.sockets = rendezvous.SocketGroup(host, port, nodes, rank, identity=rendezvous.run_identity(),
+                                                  join_timeout=settings.get("CKPTTOOL_JOIN_TIMEOUT_S"))
             return
         import torch.distributed as dist
 
@@ -89,6 +110,20 @@ class Group:
             self._owned = True
             dist.distributed_c10d._set_pg_timeout(RUN_TIMEOUT)
 
+    def _broadcast(self, obj: object) -> object:
+        if self.sockets is not None:
+            return self.sockets.broadcast(obj)
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _all_gather(self, obj: object) -> list:
+        if self.sockets is not None:
+            return self.sockets.all_gather(obj)
+        everyone = [None] * self.world_size
+        self.dist.all_gather_object(everyone, obj)
+        return everyone
+
     def share_outcome(self, error: CkptError | None, value: object = None) -> object:
         """Rank 0's set-up result reaches every rank: all raise the same error, or all get rank 0's
         `value` (what it decided, so no rank re-derives it from the disk)."""
@@ -96,25 +131,34 @@ class Group:
             if error is not None:
                 raise error
             return value
-        err = None if error is None else (type(error), error.message, error.file, error.tensor, error.fix)
-        box = [(err, value)]
-        self.dist.broadcast_object_list(box, src=0)
-        err, value = box[0]
+        err = None if error is None else (type(error).__name__, error.message,
+                                          None if error.file is None else str(error.file), error.tensor, error.fix)
+        err, value = self._broadcast([err, value])
         if err is not None:
             if self.rank == 0 and error is not None:
                 raise error
-            cls, message, file, tensor, fix = err
-            raise cls(message, file=file, tensor=tensor, fix=fix)
+            name, message, file, tensor, fix = err
+            raise _ERRORS.get(name, CkptError)(message, file=file, tensor=tensor, fix=fix)
         return value
 
-    def all_ok(self, ok: bool) -> bool:
-        """True only if every rank finished its share."""
+    def all_ok(self, ok: bool, note: object = None) -> bool | tuple[bool, list]:
+        """True only if every rank finished its share. With a `note`, also every rank's note, in rank order."""
         if self.world_size == 1:
-            return ok
-        flags = [None] * self.world_size
-        self.dist.all_gather_object(flags, ok)
-        return all(flags)
+            return ok if note is None else (ok, [note])
+        flags = self._all_gather([ok, note])
+        everyone = all(f[0] for f in flags)
+        return everyone if note is None else (everyone, [f[1] for f in flags])
 
     def close(self) -> None:
+        if self.sockets is not None:
+            self.sockets.close()
         if self._owned:
             self.dist.destroy_process_group()
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [cls] + [s for c in cls.__subclasses__() for s in _subclasses(c)]
+
+
+_ERRORS = {c.__name__: c for c in _subclasses(errors.CkptError)}
+"""rank 0's error, rebuilt by its class's name on every rank (only ckpttool's own errors)"""

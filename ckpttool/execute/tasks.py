@@ -132,7 +132,7 @@ def run_order(tasks: list, inputs: ShardFiles) -> list:
     executor frees only after reading a file still to come (a deadlock on tmpfs, 2026-11-23).
 
     Each input file front to back: cold sequential reads beat output order (18.6 s vs 23.0 s on a
-    10.9 GB checkpoint, bench/RESULTS.md). Only a local input in RAM (tmpfs) has no seek to save: there
+    10.9 GB checkpoint, bench/HISTORY.md). Only a local input in RAM (tmpfs) has no seek to save: there
     output order lets each file's hash take most pieces from the writer's memory instead of re-reading
     them (1.15 of 1.85 GB vs 0.05 GB, 2-core box). Output offsets are planned, so bytes are unchanged."""
     by_write = _in_ram(inputs)

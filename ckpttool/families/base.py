@@ -156,6 +156,8 @@ class Family:
     alone does not tell (a multimodal wrapper's text tower: the hub's `language_model.model.*` or transformers'
     `model.language_model.*`); the planner calls it with the checkpoint's names before anything reads them,
     merge with the shards' (the parts a wrapper passes through keep their names there)"""
+    stacked_experts: Callable[[Any], dict[str, int]] | None = None
+    """config -> experts per stack kind where not num_experts (LongCat: zero experts in gate_up_proj only)"""
     explicit_config: Callable[[dict, object], dict] | None = None
     """(config.json dict, its path) -> the same config with the routing and rope fields stated that
     transformers fills from its class defaults (or hard-codes) and omits when it saves a config:
@@ -355,12 +357,12 @@ prefix for its text tower (`model.language_model.`)"""
 _STACKED_LEAVES = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}  # the native expert weights, in order
 
 
-def unstack_experts(ckpt, keys: KeyMap, n_experts: int) -> int:
+def unstack_experts(ckpt, keys: KeyMap, n_experts: int, held: dict[str, int] | None = None) -> int:
     """Read a checkpoint in transformers 5's own spelling as the key table's: stacked expert tensors
     as the table's per-expert weights (each part is a contiguous byte range of the stack, so nothing
     is copied; under `model.` or a wrapper's prefix for its text tower), and each name the table lists as
     an alias as the row's name. Returns how many stacks were split. A table that names the stacked tensors
-    itself (gpt-oss) keeps them, and their scales."""
+    itself (gpt-oss) keeps them, and their scales. `held`: Family.stacked_experts."""
     for name in sorted(ckpt.tensors):
         canonical = keys.canonical(name)
         if canonical is None:
@@ -379,19 +381,17 @@ def unstack_experts(ckpt, keys: KeyMap, n_experts: int) -> int:
         prefix, layer, kind, scale = match.groups()
         per_expert = {r.native.split(".")[-2]: r.hf for r in keys.rows if r.split == EXPERT and r.companion is None
                       and r.hf.startswith(prefix + "layers.{layer}.")}
-        leaves = _STACKED_LEAVES[kind]
-        src = ckpt.tensors[name]
+        leaves, src, experts = _STACKED_LEAVES[kind], ckpt.tensors[name], (held or {}).get(kind, n_experts)
         shape = src.info.shape
-        if any(leaf not in per_expert for leaf in leaves) or len(shape) != 3 or shape[0] != n_experts \
+        if any(leaf not in per_expert for leaf in leaves) or len(shape) != 3 or shape[0] != experts \
                 or shape[1] % len(leaves):
-            raise InputError(f"stacked expert tensor of shape {list(shape)} is not [{n_experts} experts, "
+            raise InputError(f"stacked expert tensor of shape {list(shape)} is not [{experts} experts, "
                              f"{len(leaves)} x rows, columns] of the model config.json describes" +
                              (" (an FP8 scale block would straddle gate and up rows)" if scale else ""),
                              file=ckpt.root / src.file, tensor=name,
                              fix="check that config.json belongs to this checkpoint")
-        rows = shape[1] // len(leaves)
-        parts = []
-        for e in range(n_experts):
+        rows, parts = shape[1] // len(leaves), []
+        for e in range(experts):
             for leaf in leaves:
                 weight = per_expert[leaf].format(layer=int(layer), expert=e)
                 parts.append((with_leaf(weight, FP8_SCALE.hf_leaf) if scale else weight, (rows, shape[2])))

@@ -181,10 +181,12 @@ class KeyMap:
 
     def renamed(self, hf_name, passthrough: tuple[str, ...] = ()) -> "KeyMap":
         """This table with every HF template renamed by `hf_name` (str -> str: a wrapper's prefix on its text
-        tower; the native side is unchanged), its aliases renamed alike, the same scale leaf, and `passthrough`
+        tower; the native side is unchanged; a row it renames to None is left out), its aliases renamed alike, the same scale leaf, and `passthrough`
         prefixes of its own."""
-        rows = [(hf_name(r.hf), r.native, r.split, r.linear) for r in self.rows if r.companion is None]
-        aliases = tuple((hf_name(a), hf_name(h)) for a, h in self._alias_pairs)
+        rows = [(hf, r.native, r.split, r.linear) for r in self.rows
+                if r.companion is None and (hf := hf_name(r.hf)) is not None]
+        aliases = tuple((a, h) for a, h in ((hf_name(a), hf_name(h)) for a, h in self._alias_pairs)
+                        if a is not None and h is not None)
         return KeyMap(rows, hf_scale_leaf=self._hf_scale_leaf, aliases=aliases, passthrough=passthrough)
 
     def _passed(self, name: str) -> Mapped | None:

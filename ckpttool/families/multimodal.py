@@ -17,6 +17,7 @@ spelling its tensor names use (`Family.spelled`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Collection
@@ -35,9 +36,15 @@ class Spelling:
     """(the text family's name prefix, this spelling's), longest text prefix first where they nest"""
     passthrough: tuple[str, ...]
     """prefixes of the parts carried unchanged"""
+    names: tuple[tuple[str, str], ...] = ()
+    """(the text family's name template, this spelling's): tensors named one by one rather than under a prefix
+    (Mistral's own names: `layers.{layer}.attention.wq.weight`), before the prefixes; a spelling with names but
+    no prefixes names nothing of the text tower but these"""
 
-    def wrap(self, name: str) -> str:
-        """A text family's HF name (or template) in this spelling."""
+    def wrap(self, name: str) -> str | None:
+        """A text family's HF name (or template) in this spelling (None: one a spelling of names only lacks)."""
+        if self.names and ((spelled := _respell(name, self.names, 0)) is not None or not self.text):
+            return spelled
         for plain, spelled in self.text:
             if name.startswith(plain):
                 return spelled + name[len(plain):]
@@ -45,10 +52,34 @@ class Spelling:
 
     def unwrap(self, name: str) -> str | None:
         """The text family's name of one of this spelling's text tower names; None for any other name."""
+        if self.names and ((plain := _respell(name, self.names, 1)) is not None or not self.text):
+            return plain
         for plain, spelled in self.text:
             if name.startswith(spelled):
                 return plain + name[len(spelled):]
         return None
+
+
+_FIELD = re.compile(r"\{\w+\}")
+
+
+def _shape(name: str) -> str:
+    return ".".join("{}" if p.isdigit() or _FIELD.fullmatch(p) else p for p in name.split("."))
+
+
+@lru_cache(maxsize=None)
+def _renames(names: tuple[tuple[str, str], ...], side: int) -> dict[str, tuple[str, str]]:
+    return {_shape(pair[side]): (pair[side], pair[1 - side]) for pair in names}
+
+
+def _respell(name: str, names: tuple[tuple[str, str], ...], side: int) -> str | None:
+    """`name` (a template or a name) renamed by the pair whose `side` it matches, its numbers kept in order."""
+    pair = _renames(names, side).get(_shape(name))
+    if pair is None:
+        return None
+    source, target = pair
+    values = iter(p for p, t in zip(name.split("."), source.split(".")) if _FIELD.fullmatch(t))
+    return _FIELD.sub(lambda _: next(values), target)
 
 
 @dataclass(frozen=True, slots=True, eq=False)  # hashed by identity: one object per row
@@ -186,9 +217,12 @@ def spelling_of(cfg: WrappedConfig, names: Collection[str]) -> WrappedConfig:
                              fix="convert the checkpoint as published on the hub (or as transformers' "
                                  "save_pretrained writes it by default)")
 
+    # the text family's own mp names (merge reads shards) tell no spelling apart: Mistral's `norm.weight` is one
+    telling = [n for n in names if cfg.text_keys.to_hf(n) is None]
+
     def mapped(i: int) -> int:
         keys = cfg.respelled(i).keys
-        return sum(keys.to_native(n) is not None for n in names)
+        return sum(keys.to_native(n) is not None for n in telling)
     return cfg.respelled(max(range(len(cfg.wrapper.spellings)), key=lambda i: (mapped(i), -i)))
 
 
@@ -262,6 +296,42 @@ def passthrough_differences(wrapper: Wrapper, shard, reference) -> list[str]:
 _HUB_TEXT = (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
 _TRANSFORMERS_TEXT = (("model.", "model.language_model."), ("lm_head.", "lm_head."))
 
+
+_MISTRAL_MLP = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+
+
+def _mistral_experts(prefix: str) -> tuple[tuple[str, str], ...]:
+    """Routed experts one by one in Mistral's names (`experts.{expert}.w1`), under `prefix`: the only per-expert
+    names transformers' conversion_mapping stacks into its `mlp.experts.gate_up_proj` on load."""
+    return tuple((f"model.layers.{{layer}}.mlp.experts.{{expert}}.{a}.weight",
+                  f"{prefix}layers.{{layer}}.experts.{{expert}}.{b}.weight") for a, b in _MISTRAL_MLP)
+
+
+def _mistral_names() -> tuple[tuple[str, str], ...]:
+    """Mistral's own names of Mistral Large 4's text tower (what its hub checkpoint and transformers 5.24's
+    save_pretrained write; transformers' conversion_mapping reads them), against the MLA family's names."""
+    mlp = _MISTRAL_MLP
+    indexer = [(f"{n}.{leaf}", f"{n}.{leaf}") for n in ("wq_b", "wk", "weights_proj", "k_norm", "q_input_norm")
+               for leaf in ("weight", "bias") if leaf == "weight" or n.endswith("norm")]
+    layer = [("input_layernorm.weight", "attention_norm.weight"),
+             ("post_attention_layernorm.weight", "ffn_norm.weight"),
+             ("mlp.gate.weight", "gate.weight"),
+             *((f"self_attn.{a}.{leaf}", f"attention.{b}.{leaf}") for a, b in
+               (("q_proj", "wq"), ("kv_a_proj_with_mqa", "wkv_a_with_mqa"), ("kv_b_proj", "wkv_b"), ("o_proj", "wo"))
+               for leaf in ("weight", "bias") if leaf == "weight" or a in ("kv_a_proj_with_mqa", "o_proj")),
+             ("self_attn.kv_a_layernorm.weight", "attention.kv_a_norm.weight"),
+             ("self_attn.softmax_scaling.scale", "attention.ssmax_scaling.s"),
+             ("self_attn.softmax_scaling.bias", "attention.ssmax_scaling.b"),
+             *((f"self_attn.indexer.{a}", f"attention.indexer.{b}") for a, b in indexer),
+             ("self_attn.indexer.softmax_scaling.scale", "attention.indexer.ssmax_scaling.s"),
+             ("self_attn.indexer.softmax_scaling.bias", "attention.indexer.ssmax_scaling.b"),
+             *((f"mlp.{a}.weight", f"feed_forward.{b}.weight") for a, b in mlp),
+             *((f"mlp.shared_experts.{a}.weight", f"shared_experts.{b}.weight") for a, b in mlp)]
+    return (("model.embed_tokens.weight", "tok_embeddings.weight"), ("model.norm.weight", "norm.weight"),
+            ("lm_head.weight", "output.weight"), ("model.rotary_emb.alpha", "lerope.alpha"),
+            *((f"model.layers.{{layer}}.{a}", f"layers.{{layer}}.{b}") for a, b in layer), *_mistral_experts(""))
+
+
 WRAPPERS: tuple[Wrapper, ...] = (
     Wrapper(
         "kimi_k25", "Kimi-K2.5 / K2.6", "deepseek", text_types=("deepseek_v3", "kimi_k2"),
@@ -289,5 +359,21 @@ WRAPPERS: tuple[Wrapper, ...] = (
                             (("model.", "model.language_model."), ("lm_head.", "lm_head."), ("mtp.", "mtp.")),
                             passthrough=("model.visual.",)),),
         defaults={"tie_word_embeddings": False}),  # the wrapper's field ties the head (Qwen3_5MoeConfig)
+    Wrapper(
+        "mistral_large4", "Mistral Large 4", "deepseek", text_types=("mistral_large4_text",),
+        spellings=(
+            # the published checkpoint's multi-token-prediction head (`mtp_dspark.*`), which transformers 5.24
+            # ignores on load, is carried unchanged too
+            Spelling("Mistral's own (the hub's, and transformers 5.24's save_pretrained)", (),
+                     passthrough=("vision_encoder.", "pre_mm_projector_norm.", "patch_merger.",
+                                  "vision_language_adapter.", "mtp_dspark."), names=_mistral_names()),
+            # transformers' own names hold the experts stacked; read one by one (and so written by merge and HF
+            # outputs) they take Mistral's expert names, which transformers stacks on load: its own per-expert
+            # names (mlp.experts.E.gate_proj) it would leave unloaded
+            Spelling("transformers' (save_original_format=False)", _TRANSFORMERS_TEXT,
+                     passthrough=("model.vision_tower.", "model.multi_modal_projector."),
+                     names=_mistral_experts("model.language_model.")),
+        ),
+        defaults={"tie_word_embeddings": False}),
 )
 """Every multimodal wrapper ckpttool reads; families/table.py pairs each with the family of its text tower."""

@@ -9,7 +9,7 @@ import triton.language as tl
 from ckpttool.kernels import nan_flag
 
 NUM_WARPS = 8
-"""Warps per 128x128 tile; bench/triton_sweep.py and bench/nan_variants.py measure others (bench/RESULTS.md)."""
+"""Warps per 128x128 tile; bench/probes/triton_sweep.py and bench/probes/nan_variants.py measure others (bench/HISTORY.md)."""
 
 
 @triton.jit(do_not_specialize=["slot", "tag"])
@@ -28,7 +28,7 @@ def _dequant_kernel(x_ptr, s_ptr, y_ptr, bad_ptr, slot, tag, M, N, S_COLS, BLOCK
     # NaN codes refused in this pass, not a second one: each row's NaN test reduced along the row, then one
     # atomic per row, issued only for a row holding one, into this call's cell (kernels/nan_flag.py: no
     # fill launched before). An atomic per value, predicated, ran at 0.80x DeepSeek's kernel on [7168, 2048]
-    # (bench/nan_variants.py); this, with 8 warps, at 0.99x, and 1.00x on [7168, 18432].
+    # (bench/probes/nan_variants.py); this, with 8 warps, at 0.99x, and 1.00x on [7168, 18432].
     hit = tl.max(((x != x) & mask).to(tl.int32), axis=1)
     tl.atomic_max(bad_ptr + slot + tl.zeros([BLOCK], dtype=tl.int32), tag - offs_m.to(tl.int64), mask=hit > 0)
     tl.store(y_ptr + offs, (x * s).to(y_ptr.dtype.element_ty), mask=mask)

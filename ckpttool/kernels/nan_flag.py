@@ -2,7 +2,7 @@
 
 A flag that must start at "none" for every call needs a fill before the kernel: a second launch, which on
 a [7168, 2048] FP8 tensor held the dequant at 0.70x the bandwidth of DeepSeek's kernel (no NaN check at
-all) from a CUDA graph (bench/RESULTS.md). Here each device keeps a ring of int64 cells, zeroed once, and
+all) from a CUDA graph (bench/HISTORY.md). Here each device keeps a ring of int64 cells, zeroed once, and
 each call takes the next epoch: its lanes that see a NaN store `epoch << 32 | (ROW_MASK - row)` by
 atomic max into the epoch's cell. A cell holding an older epoch means no NaN in this call; this epoch,
 the smallest bad row (the largest value). A newer epoch means a later call with a NaN took the cell

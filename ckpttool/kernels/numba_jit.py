@@ -57,7 +57,7 @@ def _registries_without_scipy_blas() -> None:
     there for np.dot and its kin, which no kernel of ours uses: on the H100 machine that import was
     0.6 s of every conversion's start, while every worker waited for the kernel. Without it numba uses
     its own loops for those functions in this process; scipy itself imports as before once we are done.
-    bench/RESULTS.md: 0.87x and 0.95x the wall time of the same tree with it, 16 cores."""
+    bench/HISTORY.md: 0.87x and 0.95x the wall time of the same tree with it, 16 cores."""
     if "scipy.linalg.cython_blas" in sys.modules:
         return
     sys.modules["scipy.linalg.cython_blas"] = None

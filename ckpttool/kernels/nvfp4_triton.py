@@ -18,7 +18,7 @@ from ckpttool.kernels import nan_flag
 from ckpttool.kernels.scaled_triton import Tile, _store_checked
 
 TILE = Tile(2, 512, 2)
-"""rows x values per program (cols / 2 packed bytes), and warps; bench/triton_sweep.py measures others
+"""rows x values per program (cols / 2 packed bytes), and warps; bench/probes/triton_sweep.py measures others
 (on the H100 with the fp16 decode: 1750 GB/s out on [7168, 18432], 4 x 256 x 2 gave 1638, FP8 block 1687)."""
 
 
@@ -28,7 +28,7 @@ def _e2m1_f32(code, PRESCALED: tl.constexpr):
     carry the 2**14). The code's magnitude bits placed as fp16's top exponent and mantissa bits are that
     fp16's own (0.5 a subnormal), 2**-14 times the e2m1 value; widening fp16 -> fp32 is exact. Five integer
     operations and one conversion: decoding the exponent from bits took 14 and held the kernel at 0.76x FP8
-    block's bandwidth (bench/RESULTS.md)."""
+    block's bandwidth (bench/HISTORY.md)."""
     h = ((code & 7) << 9) | ((code & 8) << 12)
     v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     if not PRESCALED:
@@ -43,7 +43,7 @@ def _unsigned_zero(words):
     their sign. Per word, not per value: each nibble's magnitude + 7 carries into its bit 3 exactly when the
     magnitude is not 0 (7 + 7 < 16: no carry reaches the next nibble; the top nibble's wraps the int32 as
     the unsigned sum would). Five operations per 8 values; the same per value held the kernel at 0.86-0.94x
-    FP8 block's bandwidth (bench/RESULTS.md)."""
+    FP8 block's bandwidth (bench/HISTORY.md)."""
     mag = words & 0x77777777
     sign = (mag + 0x77777777) & words & -0x77777778  # -0x77777778 is 0x88888888: each nibble's bit 3
     return mag | sign
@@ -56,7 +56,7 @@ def _nvfp4_kernel(w_ptr, s_ptr, eff_ptr, y_ptr, bad_ptr, slot, tag, M, N, WORDS,
     8w + k is bits 4k..4k+3 of word w: each byte's low nibble first) and each word's group scale (16 values,
     2 words, a group). Values stay [BM, BN/8, 8] from load to store, as kernels/scaled_triton.py's INT4:
     bytes split with tl.join ran at 0.66x FP8 block's bandwidth, a reshape to [BM, BN] at 0.49-0.83x
-    (bench/RESULTS.md)."""
+    (bench/HISTORY.md)."""
     rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
     r64 = rows[:, None].to(tl.int64)
     wcols = tl.program_id(axis=1) * (BN // 8) + tl.arange(0, BN // 8)

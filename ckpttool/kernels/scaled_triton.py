@@ -22,7 +22,7 @@ class Tile(NamedTuple):
 
 
 TILES = {"int4": Tile(4, 256, 2), "fp8_rows": Tile(16, 256, 4)}
-"""Per kernel; bench/triton_sweep.py measures the alternatives (bench/RESULTS.md)."""
+"""Per kernel; bench/probes/triton_sweep.py measures the alternatives (bench/HISTORY.md)."""
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _flag_nan(bad_ptr, slot, tag, y, rows, mask):
     """Record every row holding a NaN in this call's cell, bad_ptr[slot] (kernels/nan_flag.py: the largest
     `tag - row` wins, the smallest row): lanes without one issue no atomic. rows and mask broadcast to y's
     shape. Not the FP8 block kernel's row reduction: here it held INT4 and NVFP4 at 0.60-0.82x FP8 block's
-    bandwidth (bench/RESULTS.md)."""
+    bandwidth (bench/HISTORY.md)."""
     r = rows.to(tl.int64) + tl.zeros_like(y).to(tl.int64)
     tl.atomic_max(bad_ptr + slot + tl.zeros_like(y).to(tl.int32), tag - r, mask=(y != y) & mask)
 
@@ -65,7 +65,7 @@ def _int4_kernel(w_ptr, s_ptr, y_ptr, bad_ptr, slot, tag, M, N, WORDS, S_COLS, G
                  BN: tl.constexpr, BF16: tl.constexpr):
     """One program: BM rows x BN values, from BM x BN/8 words (each loaded once) and each word's group
     scale. Values stay [BM, BN/8, 8] (word, nibble) from load to store: a reshape to [BM, BN] moved them
-    between threads and held the kernel at 0.82x FP8 block's bandwidth (bench/RESULTS.md)."""
+    between threads and held the kernel at 0.82x FP8 block's bandwidth (bench/HISTORY.md)."""
     rows = tl.program_id(axis=0) * BM + tl.arange(0, BM)
     r64 = rows[:, None].to(tl.int64)
     wcols = tl.program_id(axis=1) * (BN // 8) + tl.arange(0, BN // 8)

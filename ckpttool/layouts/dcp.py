@@ -86,7 +86,7 @@ class DcpCheckpoint(Checkpoint):
             self.notes.append(f"left out {len(left)} state-dict entries that are not model weights (optimizer and "
                               f"trainer state): {shown}")
         config_path = Path(config) if config else root / "config.json"
-        self.config = read_config(config_path, missing_fix="put the model's HF config.json beside .metadata")
+        self.config = read_config(config_path, missing_fix="put the model's HF config.json beside .metadata, or pass --config PATH")
         self._metadata_sha = hashlib.sha256((root / METADATA).read_bytes()).hexdigest()
 
     def header_fingerprint(self, fname: str) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpttool import defaults
-from ckpttool.io.checkpoint import Checkpoint
+from ckpttool.io.checkpoint import Checkpoint, read_config
 from ckpttool.io.layout import INDEX_NAME, MP_FILE
 from ckpttool.layouts.row import Layout, no_extras
 from ckpttool.plan.rewrite import hf_index
@@ -61,7 +61,10 @@ def _holds(path: Path) -> bool:
 
 
 def _open(path: Path, config=None) -> Checkpoint:
-    return Checkpoint(path)
+    ckpt = Checkpoint(path)
+    if config is not None:  # --config: the model's config.json from elsewhere
+        ckpt.config = read_config(Path(config))
+    return ckpt
 
 
 def _listing(path: Path) -> tuple:

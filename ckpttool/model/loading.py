@@ -88,6 +88,38 @@ def reference_differences(model: nn.Module, reference: Path, shard: Path,
     return problems
 
 
+def stored_differences(shard: Path, names: Callable[[str], bool], reference: Path,
+                       source: Callable[[str, Checkpoint], tuple[str, tuple[int, int, int] | None]],
+                       limit: int = MAX_LISTED, prepare: Callable[[Checkpoint], object] | None = None) -> list[str]:
+    """reference_differences for the tensors of a shard the model does not load (`names` picks them: an MTP layer
+    it does not run), read from the shard file itself; the same `source`, slices and dequantization."""
+    shard, problems = Path(shard), []
+    header = read_shard_header(shard)
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        with Checkpoint(reference) as ckpt:
+            if prepare is not None:
+                prepare(ckpt)
+            for name in sorted(n for n in header.tensors if names(n)):
+                info = header.tensors[name]
+                mine = tensor_from_bytes(read_bytes(fd, info.start, info.nbytes, shard), info.dtype, info.shape)
+                hf, narrow = source(name, ckpt)
+                if hf not in ckpt.tensors:
+                    problems.append(f"{name}: the reference has no {hf!r}")
+                else:
+                    theirs = ckpt.read(hf)
+                    if (scale := hf + SCALE_SUFFIX) in ckpt.tensors:
+                        theirs = dequant_fp8_block(theirs, ckpt.read(scale))
+                    theirs = (theirs if narrow is None else theirs.narrow(*narrow)).to(mine.dtype)
+                    if (problem := slice_difference(name, shard, hf, mine, theirs)) is not None:
+                        problems.append(problem)
+                if len(problems) >= limit:
+                    break
+    finally:
+        os.close(fd)
+    return problems
+
+
 def slice_difference(name: str, shard: Path, hf: str, mine: torch.Tensor, theirs: torch.Tensor) -> str | None:
     """Why a loaded tensor is not exactly its slice of the reference, or None when it is."""
     if theirs.shape != mine.shape:

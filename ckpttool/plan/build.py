@@ -34,13 +34,14 @@ class Spec:
     arch: str = "auto"  # a recipe may pin the model_type it was written for
     quantize: str | None = None  # a row of formats/outputs.py (w4a16, fp8-block, ...): quantize linear weights
     group_size: int = 128  # int4 group size
+    config: Path | None = None  # --config: the model's config.json where the input has none beside it (a DCP)
 
     label = "converting"
 
     def open(self, src: Path) -> Checkpoint:
         """The inputs this job reads (headers only, until the executor reads tensors), as the layout the input
         directory is in reads them: under their HF names."""
-        return of_directory(src).open(Path(src))
+        return of_directory(src).open(Path(src), self.config)
 
     def plan(self, ckpt: Checkpoint) -> Plan:
         return make_plan(ckpt, self)
@@ -50,7 +51,7 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     config_path = ckpt.root / "config.json"
     if not ckpt.config:
         raise InputError("config.json is missing", file=config_path,
-                         fix="copy the checkpoint's config.json beside its safetensors files")
+                         fix="copy the checkpoint's config.json beside its safetensors files, or pass --config PATH")
     ours = ckpt.config.get(CKPTTOOL_QUANTIZATION)
     if isinstance(ours, dict):
         raise PlanError(f"this is ckpttool's {ours.get('format')} output (config.json {CKPTTOOL_QUANTIZATION}): "
@@ -64,7 +65,8 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     cfg = family.parse_config(ckpt.config, config_path)
     if family.spelled is not None:  # the config alone does not say how these tensors are named
         cfg = family.spelled(cfg, ckpt.tensors)
-    stacked = unstack_experts(ckpt, family.keys(cfg), family.num_experts(cfg))
+    stacked = unstack_experts(ckpt, family.keys(cfg), family.num_experts(cfg),
+                              family.stacked_experts(cfg) if family.stacked_experts is not None else None)
 
     tensors = [TensorPlan(name, s.info.dtype, s.info.shape, source=name, file=s.file)
                for name, s in sorted(ckpt.tensors.items())]

@@ -4,7 +4,7 @@ Plan time: each weight the family calls quantizable (the key table's LINEAR colu
 format's row lists (`Target.outputs`: the quantized values and their side tensors, each named by its leaf, with
 its dtype and shape), all made from the same source by the row's transforms; every other tensor passes through.
 The row says which weight shapes it refuses, the `quantization_config` it writes (compressed-tensors' `ignore`
-lists the Linear modules left unquantized) and whether `shard` can cut its output per rank. README "Output
+lists the Linear modules left unquantized) and whether `shard` can cut its output per rank. docs/layouts.md "Output
 formats" has the table.
 
 Execution: `formats.QUANTIZE_TRANSFORMS[name](weight)` computes one output from the whole source tensor.

@@ -1,5 +1,5 @@
-"""Model arguments for the bundled MLA model (DeepSeek V2/V3/V3.2, Kimi-K2, GLM-5, Mistral 4), read from the
-HF config.json beside the shards, through the model type's row (types.py).
+"""Model arguments for the bundled MLA model (DeepSeek V2/V3/V3.2, Kimi-K2, GLM-5, Mistral 4, Large 4), read
+from the HF config.json beside the shards, through the model type's row (types.py).
 
 Where the reference model.py (shared/seeds) and transformers' DeepseekV2/V3 disagree, we follow
 transformers, because verify's oracle test compares against it:
@@ -82,10 +82,25 @@ class ModelArgs:
     index_head_dim: int = 0
     index_topk: int = 0
     indexer_layers: tuple[bool, ...] = ()
+    # Mistral Large 4 (types.py): which layers rotate and whose latent KV each attends to (empty: all rotate, each
+    # its own), per-head query scaling by log(position), learned rotary frequencies, logit softcapping (0: none),
+    # and the router's weight kept in float32 as transformers keeps it
+    rope_layers: tuple[bool, ...] = ()
+    kv_sources: tuple[int, ...] = ()
+    softmax_scaling: bool = False
+    lerope: bool = False
+    logit_softcapping: float = 0.0
+    fp32_router: bool = False
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def rotates(self, layer: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer]
+
+    def kv_source(self, layer: int) -> int:
+        return self.kv_sources[layer] if self.kv_sources else layer
 
     @property
     def softmax_scale(self) -> float:
@@ -146,13 +161,19 @@ class ModelArgs:
                 index_head_dim=cfg.index_head_dim,
                 index_topk=int(raw["index_topk"]) if cfg.index_n_heads else 0,
                 indexer_layers=tuple(cfg.has_indexer(i) for i in range(cfg.num_hidden_layers)),
+                rope_layers=cfg.rope_layers or (),
+                kv_sources=cfg.kv_sources or (),
+                softmax_scaling=t.softmax_scaling,
+                lerope=t.lerope,
+                logit_softcapping=float(raw.get("final_logit_softcapping") or 0.0) if t.logit_softcapping else 0.0,
+                fp32_router=t.fp32_router,
             )
 
 
 def _routing(t: MlaType, raw: dict, source: object) -> tuple[str, str]:
     """(score function, group ranking) of the type's router; a config asking for routing its transformers
     model does not run is refused, not approximated."""
-    stated = {k: raw[k] for k in ("topk_method", "scoring_func") if k in raw}
+    stated = {k: raw[k] for k in t.hard_coded if k in raw}
     wrong = {k: v for k, v in stated.items() if k in t.hard_coded and v != t.hard_coded[k]}
     method = raw.get("topk_method")
     if t.topk_methods is not None and method not in t.topk_methods:

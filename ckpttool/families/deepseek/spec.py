@@ -1,5 +1,6 @@
-"""The MLA family (DeepSeek V2 / V3 / V3.2, Kimi-K2, GLM-5, Mistral 4): config, tensor shapes and the HF <->
-reference-mp key table. Each model type's differences are a row of types.py, read here by one code path.
+"""The MLA family (DeepSeek V2 / V3 / V3.2, Kimi-K2, GLM-5, Mistral 4, Mistral Large 4): config, tensor shapes
+and the HF <-> reference-mp key table. Each model type's differences are a row of types.py, read here by one
+code path.
 
 The key table carries rename and shard together, exactly as the reference convert.py does:
 `(hf template, native template, split)` where split is a dim to cut for tensor parallelism,
@@ -9,7 +10,7 @@ The key table carries rename and shard together, exactly as the reference conver
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.base import (config_fields, decoder_shapes, layer_index, mtp_shapes, rope_theta_of,
@@ -54,6 +55,13 @@ _ATTN = [
     ("self_attn.indexer.k_norm.weight", "attn.indexer.k_norm.weight", None),
     ("self_attn.indexer.k_norm.bias", "attn.indexer.k_norm.bias", None),
     ("self_attn.indexer.weights_proj.weight", "attn.indexer.weights_proj.weight", None),
+    # Mistral Large 4: per-head query scaling, cut with the heads; its indexer's query norm and scaling, replicated
+    ("self_attn.softmax_scaling.scale", "attn.softmax_scaling.scale", 0),
+    ("self_attn.softmax_scaling.bias", "attn.softmax_scaling.bias", 0),
+    ("self_attn.indexer.q_input_norm.weight", "attn.indexer.q_norm.weight", None),
+    ("self_attn.indexer.q_input_norm.bias", "attn.indexer.q_norm.bias", None),
+    ("self_attn.indexer.softmax_scaling.scale", "attn.indexer.softmax_scaling.scale", None),
+    ("self_attn.indexer.softmax_scaling.bias", "attn.indexer.softmax_scaling.bias", None),
 ]
 _MLP = [("gate_proj.weight", "w1.weight", 0, LINEAR), ("down_proj.weight", "w2.weight", 1, LINEAR),
         ("up_proj.weight", "w3.weight", 0, LINEAR)]
@@ -87,6 +95,7 @@ KEY_TABLE: list[tuple] = [
     ("model.embed_tokens.weight", "embed.weight", 0),
     ("model.norm.weight", "norm.weight", None),
     ("lm_head.weight", "head.weight", 0),
+    ("model.rotary_emb.alpha", "rope_alpha", None),  # Mistral Large 4's learned rotary frequencies (LeRoPE)
     *_layer_rows(),
 ]
 """Weights only; each `*.weight` row implies its FP8 scale row (`*.weight_scale_inv` -> `*.scale`)."""
@@ -125,6 +134,8 @@ class DeepseekConfig:
     indexer_types: tuple[bool, ...] | None = None  # GLM-5: whether each layer runs its own indexer, when listed
     index_topk_freq: int = 1  # else: layer i runs one where max(i - offset + 1, 0) % freq == 0
     index_skip_topk_offset: int = 2
+    rope_layers: tuple[bool, ...] | None = None  # Mistral Large 4: whether each layer rotates (no_rope_layers)
+    kv_sources: tuple[int, ...] | None = None  # Mistral Large 4: the layer whose latent KV each layer attends to
 
     @property
     def type(self) -> MlaType:
@@ -167,7 +178,16 @@ class DeepseekConfig:
                 mlp_layer_types=_per_layer(d, "mlp_layer_types", ("dense", "sparse"), layers, source)
                 if t.mlp_layer_types else None,
                 **(_indexer_schedule(d, layers, source) if indexer and t.shared_indexers else {}),
+                rope_layers=_rope_layers(d, layers, source) if t.nope_layers else None,
+                kv_sources=_kv_sources(d, layers, source) if t.kv_sharing else None,
             )
+            if not t.q_lora:  # the class has no query LoRA, whatever config.json says
+                cfg = replace(cfg, q_lora_rank=None)
+            if t.kv_sharing and int(d.get("num_key_value_heads", cfg.num_attention_heads)) != cfg.num_attention_heads:
+                raise InputError(f"num_key_value_heads ({d['num_key_value_heads']}) is not num_attention_heads "
+                                 f"({cfg.num_attention_heads})", file=source,
+                                 fix="transformers' model expands the latent KV to every head; use the config.json "
+                                     "published with the checkpoint")
         if t.needs_q_lora and not cfg.q_lora_rank:
             raise InputError(f"{model_type} without q_lora_rank is not supported", file=source,
                              fix=f"transformers' {model_type} model always projects queries through q_lora_rank; "
@@ -175,6 +195,7 @@ class DeepseekConfig:
         if cfg.n_routed_experts and not 0 < cfg.num_experts_per_tok <= cfg.n_routed_experts:
             raise InputError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) is not in 1..{cfg.n_routed_experts} "
                              "(n_routed_experts)", file=source, fix="use the config.json published with the checkpoint")
+        check_kv_sharing(cfg, source)
         return cfg
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -188,6 +209,14 @@ class DeepseekConfig:
 
     def is_mtp_layer(self, layer: int) -> bool:
         return layer >= self.num_hidden_layers
+
+    def rotates(self, layer: int) -> bool:
+        """Whether a layer applies RoPE (Mistral Large 4's NoPE layers do not)."""
+        return self.rope_layers is None or layer >= len(self.rope_layers) or self.rope_layers[layer]
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose latent KV this one attends to (itself, but where Mistral Large 4 shares it)."""
+        return layer if self.kv_sources is None or layer >= len(self.kv_sources) else self.kv_sources[layer]
 
     def has_indexer(self, layer: int) -> bool:
         """Whether a layer runs (and holds) its own indexer: every layer of a type with one, but GLM-5's
@@ -229,12 +258,57 @@ def _indexer_schedule(d: dict, layers: int, source: object) -> dict:
     return {"index_topk_freq": freq, "index_skip_topk_offset": int(d.get("index_skip_topk_offset", 2))}
 
 
+def _rope_layers(d: dict, layers: int, source: object) -> tuple[bool, ...]:
+    """MistralLarge4TextConfig's `no_rope_layers` (1: RoPE, 0: NoPE, at least one per layer), else its rule: every
+    `no_rope_layer_interval`-th layer (4) is NoPE."""
+    listed = d.get("no_rope_layers")
+    if listed is None:
+        interval = int(d.get("no_rope_layer_interval", 4))
+        return tuple((i + 1) % interval != 0 for i in range(layers))
+    if not isinstance(listed, list) or len(listed) < layers or any(v not in (0, 1) for v in listed):
+        raise InputError(f"no_rope_layers {listed!r} is not a 1 (RoPE) or 0 (NoPE) for each of the {layers} layers",
+                         file=source, fix="use the config.json published with the checkpoint")
+    return tuple(bool(v) for v in listed[:layers])
+
+
+def _kv_sources(d: dict, layers: int, source: object) -> tuple[int, ...]:
+    """`kv_source_layers` as MistralLarge4TextConfig validates it: one entry per layer, each the layer itself or
+    an earlier layer that is its own source."""
+    listed = d.get("kv_source_layers")
+    if listed is None:
+        return tuple(range(layers))
+    if not isinstance(listed, list) or len(listed) != layers or \
+            any(not isinstance(s, int) or not 0 <= s <= i or listed[s] != s for i, s in enumerate(listed)):
+        raise InputError(f"kv_source_layers {listed!r} is not, for each of the {layers} layers, the layer itself or "
+                         "an earlier layer that owns its latent KV", file=source,
+                         fix="use the config.json published with the checkpoint")
+    return tuple(listed)
+
+
+def check_kv_sharing(cfg: "DeepseekConfig", source: object) -> None:
+    """transformers' model hands a sharing layer the latent last stored by a layer of its own kind (RoPE or NoPE),
+    not the one kv_source_layers names: a config where the two differ is refused rather than read either way."""
+    stores = {s for i, s in enumerate(cfg.kv_sources or ()) if s != i}
+    for layer, src in enumerate(cfg.kv_sources or ()):
+        if src == layer:
+            continue
+        same_kind = [j for j in sorted(stores) if j < layer and cfg.rotates(j) == cfg.rotates(layer)]
+        if not same_kind or same_kind[-1] != src:
+            raise InputError(f"kv_source_layers names layer {src} for layer {layer}, but transformers' model gives "
+                             f"layer {layer} the latent KV of the last earlier sharing layer that "
+                             f"{'rotates' if cfg.rotates(layer) else 'does not rotate'} "
+                             f"({same_kind[-1] if same_kind else 'none'})", file=source,
+                             fix="use the config.json published with the checkpoint")
+
+
 def hf_tensor_shapes(cfg: DeepseekConfig, *, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this config holds (weights and biases only, no FP8 scales)."""
     h, heads = cfg.hidden_size, cfg.num_attention_heads
     qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     n_layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
     shapes, prefixes = decoder_shapes(cfg.vocab_size, h, n_layers, tie_word_embeddings=cfg.tie_word_embeddings)
+    if cfg.type.lerope:
+        shapes["model.rotary_emb.alpha"] = (cfg.qk_rope_head_dim // 2,)
     for layer, p in enumerate(prefixes):
         a = p + "self_attn."
         if cfg.q_lora_rank:
@@ -243,22 +317,33 @@ def hf_tensor_shapes(cfg: DeepseekConfig, *, with_mtp: bool = True) -> dict[str,
             shapes[a + "q_b_proj.weight"] = (heads * qk_head, cfg.q_lora_rank)
         else:
             shapes[a + "q_proj.weight"] = (heads * qk_head, h)
-        shapes[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
-        shapes[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
-        shapes[a + "kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        rope = cfg.qk_rope_head_dim if cfg.rotates(layer) else 0  # a NoPE layer's nope part is the whole qk head
+        own_kv = cfg.kv_source(layer) == layer
+        if own_kv:
+            shapes[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + rope, h)
+            shapes[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+        shapes[a + "kv_b_proj.weight"] = (heads * (qk_head - rope + cfg.v_head_dim), cfg.kv_lora_rank)
         shapes[a + "o_proj.weight"] = (h, heads * cfg.v_head_dim)
         if cfg.attention_bias:  # transformers' MLA: on q_a_proj (with q_lora_rank), kv_a_proj_with_mqa, o_proj
             if cfg.q_lora_rank:
                 shapes[a + "q_a_proj.bias"] = (cfg.q_lora_rank,)
-            shapes[a + "kv_a_proj_with_mqa.bias"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
+            if own_kv:
+                shapes[a + "kv_a_proj_with_mqa.bias"] = (cfg.kv_lora_rank + rope,)
             shapes[a + "o_proj.bias"] = (h,)
+        scaling = cfg.type.softmax_scaling and not cfg.is_mtp_layer(layer)
+        if scaling:
+            shapes[a + "softmax_scaling.scale"] = shapes[a + "softmax_scaling.bias"] = (heads,)
         if cfg.has_indexer(layer):
             d = cfg.index_head_dim
-            shapes[a + "indexer.wq_b.weight"] = (cfg.index_n_heads * d, cfg.q_lora_rank)
+            shapes[a + "indexer.wq_b.weight"] = (cfg.index_n_heads * d, h if scaling else cfg.q_lora_rank)
             shapes[a + "indexer.wk.weight"] = (d, h)
             shapes[a + "indexer.k_norm.weight"] = (d,)
             shapes[a + "indexer.k_norm.bias"] = (d,)
             shapes[a + "indexer.weights_proj.weight"] = (cfg.index_n_heads, h)
+            if scaling:  # Mistral Large 4's indexer: queries from the normalised hidden states, scaled per head
+                shapes[a + "indexer.q_input_norm.weight"] = shapes[a + "indexer.q_input_norm.bias"] = (h,)
+                shapes[a + "indexer.softmax_scaling.scale"] = (cfg.index_n_heads,)
+                shapes[a + "indexer.softmax_scaling.bias"] = (cfg.index_n_heads,)
         if cfg.is_moe_layer(layer) or cfg.is_mtp_layer(layer):
             inter = cfg.moe_intermediate_size
             shapes[p + "mlp.gate.weight"] = (cfg.n_routed_experts, h)

@@ -56,6 +56,26 @@ class MlaType:
     llama4_scaling: bool = False
     """queries scaled by 1 + beta * log(1 + floor(pos / original_max_position_embeddings)), beta the rope
     parameters' `llama_4_scaling_beta` (Mistral 4)"""
+    # -- Mistral Large 4's additions
+    q_lora: bool = True
+    """reads `q_lora_rank` (False: the class has no query LoRA; queries through a plain `q_proj`)"""
+    nope_layers: bool = False
+    """reads `no_rope_layers` (1: the layer rotates, 0: NoPE, its kv_a_proj holds no rotary part and its q/k nope
+    width is qk_nope + qk_rope); left out, every `no_rope_layer_interval`-th (4) layer is NoPE"""
+    kv_sharing: bool = False
+    """reads `kv_source_layers`: a layer pointing at an earlier one holds no kv_a_proj_with_mqa / kv_a_layernorm
+    and attends to that layer's latent KV"""
+    softmax_scaling: bool = False
+    """learned per-head query scaling q * (scale_h * log(pos + 1) + bias_h) (`self_attn.softmax_scaling.*`, and the
+    indexer's own), and an indexer whose queries come from the hidden states (`q_input_norm`, not a query LoRA)"""
+    lerope: bool = False
+    """learned rotary frequencies: inv_freq * exp(alpha), `model.rotary_emb.alpha` (LeRoPE)"""
+    logit_softcapping: bool = False
+    """reads `final_logit_softcapping`: logits = tanh(logits / cap) * cap"""
+    fp32_router: bool = False
+    """the model keeps the router's weight in float32 whatever the dtype it runs in (_keep_in_fp32_modules_strict)"""
+    wrapped_only: str | None = None
+    """why the type alone is refused where it is read only as a multimodal wrapper's text tower"""
 
 
 _MLA_DIMS = dict(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -107,9 +127,28 @@ TYPES: dict[str, MlaType] = {
         default_rope={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0,
                       "original_max_position_embeddings": 8192, "beta_fast": 32.0, "beta_slow": 1.0,
                       "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}),
+    "mistral_large4_text": MlaType(  # GLM-5's DSA without a query LoRA, NoPE layers, latent KV shared across layers
+        "Mistral Large 4's text model",
+        dict(vocab_size=204800, hidden_size=6144, intermediate_size=24576, moe_intermediate_size=6144,
+             num_hidden_layers=72, num_attention_heads=64, num_key_value_heads=64, n_routed_experts=128,
+             n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1, n_group=1, topk_group=1,
+             norm_topk_prob=True, routed_scaling_factor=1.0, max_position_embeddings=1048576,
+             num_nextn_predict_layers=0, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128,
+             rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False, index_topk=2048, index_head_dim=128,
+             index_n_heads=32, final_logit_softcapping=30.0),
+        scoring="softmax", correction_bias=False, hard_coded={"norm_topk_prob": True}, mlp_layer_types=True,
+        indexer=True, shared_indexers=True, q_lora=False, nope_layers=True, kv_sharing=True, softmax_scaling=True,
+        lerope=True, logit_softcapping=True, fp32_router=True,
+        default_rope={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2048.0,
+                      "original_max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "attention_factor": 1.0},
+        wrapped_only="Mistral Large 4's text model is read inside its multimodal checkpoint (model_type "
+                     "mistral_large4): transformers 5.24 has no causal LM of the text model alone "
+                     "(MistralLarge4TextModel holds no head), so nothing could verify it"),
 }
 TYPES["kimi_k2"] = TYPES["deepseek_v3"]  # Kimi-K2 is the DeepSeek-V3 architecture under its own model_type
-MODEL_TYPES = tuple(sorted(TYPES))
+MODEL_TYPES = tuple(sorted(t for t, row in TYPES.items() if row.wrapped_only is None))
+"""the model_types the family reads alone (a `wrapped_only` type is read as a wrapper's text tower)"""
 
 ROUTING_FIELDS = ("topk_method", "scoring_func", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
                   "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace",

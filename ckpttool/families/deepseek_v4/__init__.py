@@ -5,15 +5,10 @@ laid out as families/base.py describes (config.py reads config.json)."""
 
 from __future__ import annotations
 
-from ckpttool.families.base import Family, Verifier
+from ckpttool.families.base import Family
+from ckpttool.families.lazy import verifier_in
 from ckpttool.families.deepseek_v4 import spec
 from ckpttool.families.deepseek_v4.config import MODEL_TYPE, DeepseekV4Config
-
-
-def _verifier() -> Verifier:
-    from ckpttool.families.deepseek_v4.weights import VERIFIER
-
-    return VERIFIER
 
 
 FAMILY = Family(
@@ -27,7 +22,7 @@ FAMILY = Family(
     num_experts=lambda cfg: cfg.n_routed_experts,
     vocab_size=lambda cfg: cfg.vocab_size,
     check_mp=spec.check_mp,
-    verifier=_verifier,
+    verifier=verifier_in(__name__),
     mtp_config_key="num_nextn_predict_layers",
     mtp_in_mp=True,
     # buffers in transformers' DeepseekV4 routers, in either spelling (DeepSeek's `ffn.gate.bias`)

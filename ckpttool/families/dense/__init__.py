@@ -3,14 +3,9 @@ family's files are laid out as families/base.py describes."""
 
 from __future__ import annotations
 
-from ckpttool.families.base import Family, Verifier
+from ckpttool.families.base import Family
+from ckpttool.families.lazy import verifier_in
 from ckpttool.families.dense import spec
-
-
-def _verifier() -> Verifier:
-    from ckpttool.families.dense.weights import VERIFIER
-
-    return VERIFIER
 
 
 FAMILY = Family(
@@ -23,6 +18,6 @@ FAMILY = Family(
     num_experts=lambda cfg: 0,
     vocab_size=lambda cfg: cfg.vocab_size,
     check_mp=spec.check_mp,
-    verifier=_verifier,
+    verifier=verifier_in(__name__),
     quantize=True,
 )

@@ -5,14 +5,9 @@ families/multimodal.py over this family."""
 
 from __future__ import annotations
 
-from ckpttool.families.base import Family, Verifier
+from ckpttool.families.base import Family
+from ckpttool.families.lazy import verifier_in
 from ckpttool.families.gated_deltanet import spec
-
-
-def _verifier() -> Verifier:
-    from ckpttool.families.gated_deltanet.weights import VERIFIER
-
-    return VERIFIER
 
 
 FAMILY = Family(
@@ -26,7 +21,7 @@ FAMILY = Family(
     num_experts=lambda cfg: cfg.num_experts,
     vocab_size=lambda cfg: cfg.vocab_size,
     check_mp=spec.check_mp,
-    verifier=_verifier,
+    verifier=verifier_in(__name__),
     mtp_config_key="mtp_num_hidden_layers",
     explicit_config=spec.explicit_config,
 )

@@ -3,14 +3,9 @@ family's files are laid out as families/base.py describes."""
 
 from __future__ import annotations
 
-from ckpttool.families.base import Family, Verifier
+from ckpttool.families.base import Family
+from ckpttool.families.lazy import verifier_in
 from ckpttool.families.kimi_linear import spec
-
-
-def _verifier() -> Verifier:
-    from ckpttool.families.kimi_linear.weights import VERIFIER
-
-    return VERIFIER
 
 
 FAMILY = Family(
@@ -24,6 +19,6 @@ FAMILY = Family(
     num_experts=lambda cfg: cfg.num_experts,
     vocab_size=lambda cfg: cfg.vocab_size,
     check_mp=spec.check_mp,
-    verifier=_verifier,
+    verifier=verifier_in(__name__),
     buffers=("e_score_correction_bias",),  # a registered buffer in transformers' router
 )

@@ -4,14 +4,9 @@ not a row of families/moe). Its FAMILY row; the family's files are laid out as f
 
 from __future__ import annotations
 
-from ckpttool.families.base import Family, Verifier
+from ckpttool.families.base import Family
+from ckpttool.families.lazy import verifier_in
 from ckpttool.families.llama4 import spec
-
-
-def _verifier() -> Verifier:
-    from ckpttool.families.llama4.weights import VERIFIER
-
-    return VERIFIER
 
 
 FAMILY = Family(
@@ -24,6 +19,6 @@ FAMILY = Family(
     num_experts=lambda cfg: cfg.num_experts,
     vocab_size=lambda cfg: cfg.vocab_size,
     check_mp=spec.check_mp,
-    verifier=_verifier,
+    verifier=verifier_in(__name__),
     explicit_config=spec.explicit_config,
 )

@@ -64,13 +64,14 @@ class LoraScaledMLA(nn.Module):
         self.nope, self.rope, self.v_dim, self.rank = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         self.scale = c.qk_head_dim ** -0.5
         self.q_lora_scale, self.kv_lora_scale = (h / c.q_lora_rank) ** 0.5, (h / c.kv_lora_rank) ** 0.5
-        self.q_a_proj = DenseLinear(h, c.q_lora_rank, dtype, False)
+        bias = c.attention_bias  # q_a_proj and kv_a_proj_with_mqa replicated, o_proj's added after the sum
+        self.q_a_proj = DenseLinear(h, c.q_lora_rank, dtype, False, bias)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, LORA_NORM_EPS, dtype)
         self.q_b_proj = DenseLinear(c.q_lora_rank, self.n_heads * c.qk_head_dim, dtype, False)
-        self.kv_a_proj_with_mqa = DenseLinear(h, self.rank + self.rope, dtype, False)
+        self.kv_a_proj_with_mqa = DenseLinear(h, self.rank + self.rope, dtype, False, bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LORA_NORM_EPS, dtype)
         self.kv_b_proj = DenseLinear(self.rank, self.n_heads * (self.nope + self.v_dim), dtype, False)
-        self.o_proj = DenseLinear(self.n_heads * self.v_dim, h, dtype, False, row_ctx=ctx)
+        self.o_proj = DenseLinear(self.n_heads * self.v_dim, h, dtype, False, bias, row_ctx=ctx)
 
     def setup_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> None:
         self.register_buffer("latent_cache", torch.zeros(batch, max_seq_len, self.rank + self.rope, dtype=dtype,

@@ -10,12 +10,20 @@ the rank owning a zero expert adds its identity term. They hold no weights in th
 spelling); transformers 5.24's save_pretrained writes a gate and an up projection for each of them (its stacked
 `gate_up_proj` has a block per expert, zero experts included; no computation reads them): that spelling carries
 them to their owning rank under the routed experts' names, so merge writes them back byte for byte. The tensor
-names tell the two apart (`spelled`); config.json does not.
+names tell the two apart (`spelled`); config.json does not. transformers' own stacked form
+(save_original_format=False) is read as its per-expert spelling (`stacked_experts`); merge writes that.
 
 Names: `layers.{layer}.attn.{sub}.<the HF leaf>`, `.attention_norm.{sub}`, `.ffn_norm.{sub}`, `.mlps.{sub}.w1/w2/w3`,
 `.moe.gate` (router), `.moe.gate.bias` (correction bias), `.moe.experts.{expert}.w1/w2/w3`; `tok_embeddings`,
 `norm`, `output`. q_b_proj and kv_b_proj are cut on whole heads (rows), o_proj on its columns, the low-rank
 down-projections and their norms replicated.
+
+MTP: the published checkpoints' MTP layer (`model.mtp.*`: an embedding, `eh_proj`, `enorm`/`hnorm`, one MLA
+attention and one dense MLP under `transformer_layer.mlp`, a final norm) is what vLLM and SGLang load for
+speculative decoding; transformers ignores it. It is handled as every family here handles MTP layers: kept in HF
+outputs, dropped from mp shards unless --keep-mtp, and then cut like a decoder layer under `mtp.` names
+(`mtp.embed_tokens`, `mtp.norm`, `mtp.layers.0.{eh_proj,enorm,hnorm,attention_norm,ffn_norm}`,
+`mtp.layers.0.attn.<leaf>`, `mtp.layers.0.mlp.w1/w2/w3`), so merge gives it back byte for byte.
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ from ckpttool.families.base import config_fields, read_rope
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 
 MODEL_TYPES = ("longcat_flash",)
+MTP_PREFIX, MTP_NATIVE = "model.mtp.", "mtp."
+MTP_LAYERS = 1
+"""the MTP layers the published checkpoints hold (`model.mtp.layers.0.*`); vLLM's and SGLang's LongCat MTP models
+build exactly one, whatever config.json says, and transformers' config has no field for them"""
 DEFAULT_THETA = 10000000.0
 DEFAULTS = dict(vocab_size=131072, hidden_size=6144, num_layers=28, num_attention_heads=64, num_key_value_heads=None,
                 hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False,
@@ -37,11 +49,11 @@ DEFAULTS = dict(vocab_size=131072, hidden_size=6144, num_layers=28, num_attentio
 ALIASES = {"n_routed_experts": "num_local_experts", "moe_topk": "num_experts_per_tok",
            "ffn_hidden_size": "intermediate_size", "expert_ffn_hidden_size": "moe_intermediate_size"}
 """the class's attribute_map, stored name -> the other name it accepts (that one wins where both are given)"""
-UNSUPPORTED = {"attention_bias": False, "router_bias": False, "mla_scale_q_lora": True, "mla_scale_kv_lora": True,
+UNSUPPORTED = {"router_bias": False, "mla_scale_q_lora": True, "mla_scale_kv_lora": True,
                "zero_expert_type": "identity", "hidden_act": "silu"}
 """fields whose other values describe a model transformers 5.24's longcat_flash does not build as stated (it
-has no attention biases in ckpttool's model, ignores a router bias, always applies both LoRA scalings and
-identity zero experts) or ckpttool's model does not implement"""
+ignores a router bias, always applies both LoRA scalings and identity zero experts) or ckpttool's model does not
+implement"""
 
 
 def key_table() -> list[tuple]:
@@ -50,7 +62,9 @@ def key_table() -> list[tuple]:
     hf, nat = "model.layers.{layer}.", "layers.{layer}."
     attn = [("q_a_proj.weight", None, LINEAR), ("q_a_layernorm.weight", None), ("q_b_proj.weight", 0, LINEAR),
             ("kv_a_proj_with_mqa.weight", None, LINEAR), ("kv_a_layernorm.weight", None),
-            ("kv_b_proj.weight", 0, LINEAR), ("o_proj.weight", 1, LINEAR)]
+            ("kv_b_proj.weight", 0, LINEAR), ("o_proj.weight", 1, LINEAR),
+            # attention_bias: the replicated down-projections' biases, and o_proj's (added once, after the sum)
+            ("q_a_proj.bias", None), ("kv_a_proj_with_mqa.bias", None), ("o_proj.bias", None)]
     mlp = (("gate_proj", "w1", 0), ("up_proj", "w3", 0), ("down_proj", "w2", 1))
     return [("model.embed_tokens.weight", "tok_embeddings.weight", 0), ("model.norm.weight", "norm.weight", None),
             ("lm_head.weight", "output.weight", 0),
@@ -61,7 +75,22 @@ def key_table() -> list[tuple]:
             (hf + "mlp.router.classifier.weight", nat + "moe.gate.weight", None),
             (hf + "mlp.router.e_score_correction_bias", nat + "moe.gate.bias", None),
             *[(f"{hf}mlp.experts.{{expert}}.{a}.weight", f"{nat}moe.experts.{{expert}}.{b}.weight", EXPERT, LINEAR)
-              for a, b, _ in mlp]]
+              for a, b, _ in mlp],
+            *_mtp_rows(attn, mlp)]
+
+
+def _mtp_rows(attn: list[tuple], mlp: tuple) -> list[tuple]:
+    """The published checkpoints' MTP layer, named as vLLM's and SGLang's LongCat MTP models load it; cut as the
+    decoder's tensors are (one MLA attention, one dense MLP), its embedding on the vocabulary, the rest replicated."""
+    hf, nat = MTP_PREFIX + "layers.{layer}.", MTP_NATIVE + "layers.{layer}."
+    return [(MTP_PREFIX + "embed_tokens.weight", MTP_NATIVE + "embed_tokens.weight", 0),
+            (MTP_PREFIX + "norm.weight", MTP_NATIVE + "norm.weight", None),
+            (hf + "eh_proj.weight", nat + "eh_proj.weight", None, LINEAR),
+            (hf + "enorm.m.weight", nat + "enorm.weight", None), (hf + "hnorm.m.weight", nat + "hnorm.weight", None),
+            (hf + "input_layernorm.weight", nat + "attention_norm.weight", None),
+            (hf + "post_attention_layernorm.weight", nat + "ffn_norm.weight", None),
+            *[(f"{hf}self_attn.{leaf}", f"{nat}attn.{leaf}", *rest) for leaf, *rest in attn],
+            *[(f"{hf}transformer_layer.mlp.{a}.weight", f"{nat}mlp.{b}.weight", split, LINEAR) for a, b, split in mlp]]
 
 
 KEY_MAP = KeyMap(key_table())
@@ -91,6 +120,7 @@ class LongcatFlashConfig:
     rope_theta: float
     tie_word_embeddings: bool
     rms_norm_eps: float
+    attention_bias: bool  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj (transformers' LongcatFlashMLA)
 
     @property
     def qk_head_dim(self) -> int:
@@ -125,7 +155,7 @@ class LongcatFlashConfig:
                       n_routed_experts=int(d["n_routed_experts"]), zero_expert_num=int(d["zero_expert_num"]),
                       moe_topk=int(d["moe_topk"]), routed_scaling_factor=float(d["routed_scaling_factor"]),
                       rope_theta=rope.theta, tie_word_embeddings=bool(d["tie_word_embeddings"]),
-                      rms_norm_eps=float(d["rms_norm_eps"]))
+                      rms_norm_eps=float(d["rms_norm_eps"]), attention_bias=_flag(d, "attention_bias", source))
             kv_heads = heads if d["num_key_value_heads"] is None else int(d["num_key_value_heads"])
             qk_head_dim = cfg.qk_head_dim if d["qk_head_dim"] is None else int(d["qk_head_dim"])
             head_dim = int(d["head_dim"])
@@ -148,36 +178,45 @@ class LongcatFlashConfig:
         return cfg
 
 
+def _flag(d: dict, field: str, source: object) -> bool:
+    if not isinstance(d[field], bool):
+        raise InputError(f"config.json's {field} = {d[field]!r} is not true or false", file=source,
+                         fix="use the config.json published with the checkpoint")
+    return d[field]
+
+
 def spelled(cfg: LongcatFlashConfig, names) -> LongcatFlashConfig:
     """The spelling the tensor names use: transformers' save_pretrained holds the first zero expert's gate
-    projection (HF names: a checkpoint; mp names: shards)."""
+    projection (HF names: a checkpoint; mp names: shards), or, in its own stacked form, `gate_up_proj` with a
+    slot for every zero expert (`stacked_experts`)."""
     if not cfg.zero_expert_num:
         return cfg
     e = cfg.n_routed_experts
     names = set(names)
-    saved = f"model.layers.0.mlp.experts.{e}.gate_proj.weight" in names or f"layers.0.moe.experts.{e}.w1.weight" in names
+    saved = {f"model.layers.0.mlp.experts.{e}.gate_proj.weight", f"layers.0.moe.experts.{e}.w1.weight",
+             "model.layers.0.mlp.experts.gate_up_proj"} & names
     return replace(cfg, spelling="transformers" if saved else "hub")
+
+
+def stacked_experts(cfg: LongcatFlashConfig) -> dict[str, int]:
+    """transformers' own form (save_original_format=False, as LongcatFlashExperts holds them): `gate_up_proj`
+    [routed + zero, 2I, H], a gate/up slot for every zero expert too, beside `down_proj` [routed, H, I]; read
+    one by one as the transformers spelling's per-expert tensors (families.base.unstack_experts)."""
+    return {"gate_up_proj": cfg.num_experts, "down_proj": cfg.n_routed_experts}
 
 
 def hf_tensor_shapes(cfg: LongcatFlashConfig, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this config holds, in its spelling."""
-    h, heads, i = cfg.hidden_size, cfg.num_attention_heads, cfg.expert_ffn_hidden_size
+    h, i = cfg.hidden_size, cfg.expert_ffn_hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
         for sub in (0, 1):
-            a = f"{p}self_attn.{sub}."
-            shapes.update({f"{p}input_layernorm.{sub}.weight": (h,), f"{p}post_attention_layernorm.{sub}.weight": (h,),
-                           a + "q_a_proj.weight": (cfg.q_lora_rank, h), a + "q_a_layernorm.weight": (cfg.q_lora_rank,),
-                           a + "q_b_proj.weight": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
-                           a + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
-                           a + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-                           a + "kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-                           a + "o_proj.weight": (h, heads * cfg.v_head_dim)})
-            m, f = f"{p}mlps.{sub}.", cfg.ffn_hidden_size
-            shapes.update({m + "gate_proj.weight": (f, h), m + "up_proj.weight": (f, h), m + "down_proj.weight": (h, f)})
+            shapes.update({f"{p}input_layernorm.{sub}.weight": (h,), f"{p}post_attention_layernorm.{sub}.weight": (h,)})
+            _attention_shapes(shapes, f"{p}self_attn.{sub}.", cfg)
+            _mlp_shapes(shapes, f"{p}mlps.{sub}.", cfg)
         shapes[p + "mlp.router.classifier.weight"] = (cfg.num_experts, h)
         shapes[p + "mlp.router.e_score_correction_bias"] = (cfg.num_experts,)
         held = cfg.num_experts if cfg.spelling == "transformers" else cfg.n_routed_experts
@@ -186,7 +225,37 @@ def hf_tensor_shapes(cfg: LongcatFlashConfig, with_mtp: bool = True) -> dict[str
             shapes.update({x + "gate_proj.weight": (i, h), x + "up_proj.weight": (i, h)})
             if e < cfg.n_routed_experts:
                 shapes[x + "down_proj.weight"] = (h, i)
+    if with_mtp:
+        shapes.update({MTP_PREFIX + "embed_tokens.weight": (cfg.vocab_size, h), MTP_PREFIX + "norm.weight": (h,)})
+        for layer in range(MTP_LAYERS):
+            p = f"{MTP_PREFIX}layers.{layer}."
+            shapes.update({p + "eh_proj.weight": (h, 2 * h), p + "enorm.m.weight": (h,), p + "hnorm.m.weight": (h,),
+                           p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+            _attention_shapes(shapes, p + "self_attn.", cfg)
+            _mlp_shapes(shapes, p + "transformer_layer.mlp.", cfg)
     return shapes
+
+
+def is_mtp_tensor(cfg: LongcatFlashConfig, hf_name: str) -> bool:
+    return hf_name.startswith(MTP_PREFIX)
+
+
+def _attention_shapes(shapes: dict, a: str, cfg: LongcatFlashConfig) -> None:
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    shapes.update({a + "q_a_proj.weight": (cfg.q_lora_rank, h), a + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+                   a + "q_b_proj.weight": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
+                   a + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+                   a + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+                   a + "kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                   a + "o_proj.weight": (h, heads * cfg.v_head_dim)})
+    if cfg.attention_bias:
+        shapes.update({a + "q_a_proj.bias": (cfg.q_lora_rank,),
+                       a + "kv_a_proj_with_mqa.bias": (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), a + "o_proj.bias": (h,)})
+
+
+def _mlp_shapes(shapes: dict, m: str, cfg: LongcatFlashConfig) -> None:
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    shapes.update({m + "gate_proj.weight": (f, h), m + "up_proj.weight": (f, h), m + "down_proj.weight": (h, f)})
 
 
 def check_mp(cfg: LongcatFlashConfig, mp: int) -> None:

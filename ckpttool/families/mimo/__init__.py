@@ -5,14 +5,9 @@ describes."""
 
 from __future__ import annotations
 
-from ckpttool.families.base import Family, Verifier
+from ckpttool.families.base import Family
+from ckpttool.families.lazy import verifier_in
 from ckpttool.families.mimo import spec
-
-
-def _verifier() -> Verifier:
-    from ckpttool.families.mimo.weights import VERIFIER
-
-    return VERIFIER
 
 
 FAMILY = Family(
@@ -25,7 +20,7 @@ FAMILY = Family(
     num_experts=lambda cfg: cfg.num_experts,
     vocab_size=lambda cfg: cfg.vocab_size,
     check_mp=spec.check_mp,
-    verifier=_verifier,
+    verifier=verifier_in(__name__),
     explicit_config=spec.explicit_config,
     quantize=True,
     buffers=("e_score_correction_bias",),  # a registered buffer in its DeepSeek-V3 router

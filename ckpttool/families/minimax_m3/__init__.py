@@ -3,14 +3,9 @@ families/multimodal.py). Its FAMILY row; the family's files are laid out as fami
 
 from __future__ import annotations
 
-from ckpttool.families.base import Family, Verifier
+from ckpttool.families.base import Family
+from ckpttool.families.lazy import verifier_in
 from ckpttool.families.minimax_m3 import spec
-
-
-def _verifier() -> Verifier:
-    from ckpttool.families.minimax_m3.weights import VERIFIER
-
-    return VERIFIER
 
 
 FAMILY = Family(
@@ -23,7 +18,7 @@ FAMILY = Family(
     num_experts=lambda cfg: cfg.num_experts,
     vocab_size=lambda cfg: cfg.vocab_size,
     check_mp=spec.check_mp,
-    verifier=_verifier,
+    verifier=verifier_in(__name__),
     buffers=("e_score_correction_bias",),  # a registered buffer in transformers' router
     refused_types={spec.MODEL_TYPE: "MiniMax-M3's text model is read inside its multimodal checkpoint "
                                     "(minimax_m3_vl), under the hub's names; transformers' save of the text model "

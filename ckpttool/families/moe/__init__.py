@@ -3,14 +3,9 @@ MiniMax-M2 and ERNIE-4.5-MoE. Its FAMILY row; the family's files are laid out as
 
 from __future__ import annotations
 
-from ckpttool.families.base import Family, Verifier
+from ckpttool.families.base import Family
+from ckpttool.families.lazy import verifier_in
 from ckpttool.families.moe import spec
-
-
-def _verifier() -> Verifier:
-    from ckpttool.families.moe.weights import VERIFIER
-
-    return VERIFIER
 
 
 FAMILY = Family(
@@ -24,7 +19,7 @@ FAMILY = Family(
     num_experts=lambda cfg: cfg.num_experts,
     vocab_size=lambda cfg: cfg.vocab_size,
     check_mp=spec.check_mp,
-    verifier=_verifier,
+    verifier=verifier_in(__name__),
     mtp_config_key="num_nextn_predict_layers",
     explicit_config=spec.explicit_config,
     quantize=True,
