@@ -12,7 +12,7 @@ NATIVE = Extension(
     sources=["ckpttool/kernels/native/fp8.c", "ckpttool/kernels/native/scaled.c", "ckpttool/kernels/native/grouped.c",
              "ckpttool/kernels/native/window.c", "ckpttool/kernels/native/mxfp4.c",
              "ckpttool/kernels/native/packed.c", "ckpttool/kernels/native/bnb.c",
-             "ckpttool/kernels/native/fp8_scaled.c"],
+             "ckpttool/kernels/native/fp8_scaled.c", "ckpttool/kernels/native/quant.c"],
     depends=["ckpttool/kernels/native/bf16.h"],
     extra_compile_args=["-O3", "-funroll-loops", "-std=c99"],
     optional=True,

@@ -4,10 +4,12 @@
 Each format quantizes one random BF16 weight ([2048, 2048] by default) the way the executor does: every output
 tensor is its own task (formats/outputs.py rows; each recomputes the format from the weight's rows it reads, so
 a format with more outputs pays for them), streamed rows through their row kernel on one chunk, whole-tensor rows
-(NVFP4, gpt-fast int4's scales) through QUANTIZE_TRANSFORMS. One thread (torch.set_num_threads(1): the executor
-runs one such call per worker), formats interleaved in --reps rounds so the machine's load hits them alike, the
-median per format. `vs_fp8_block_deepseek` is each format's rate per output byte over FP8 block's in the same run.
-Prints one JSON object.
+(gpt-fast int4's scales) through QUANTIZE_TRANSFORMS. One thread (torch.set_num_threads(1): the executor runs one
+such call per worker), timed by that thread's CPU time (time.thread_time: what the shared machine's other load
+does not inflate), formats interleaved in --reps rounds so the load hits them alike, the median per format.
+`vs_fp8_block_deepseek` is each format's rate per output byte over FP8 block's in the same run. The formats with C
+loops (kernels/native/quant.c) run once more with CKPTTOOL_NATIVE=0, as "FORMAT (torch)": the loops' gain in the
+same run. Prints one JSON object.
 
     python bench/quantize_bench.py [--rows 2048 --cols 2048] [--reps 5]
 """
@@ -29,12 +31,15 @@ from ckpttool.formats.outputs import FORMATS, target
 from ckpttool.kernels import repack
 
 
-def _runner(fmt: str, w: torch.Tensor):
-    """A callable doing one weight's every output task, and the output bytes it writes."""
+def _runner(fmt: str, w: torch.Tensor, plain: bool = False):
+    """A callable doing one weight's every output task, and the output bytes it writes (plain: without C loops)."""
     row = target(fmt)
     rows, cols = w.shape
     values = w.view(torch.int16).numpy().view(np.uint16)
     calls, nbytes = [], 0
+    if row.prepass is not None:  # NVFP4's first pass (the weight's amax), once a weight as the executor runs it
+        first = BY_NAME[row.outputs[0].transform_for(rows, cols)]
+        calls.append(lambda: first.prepass(Chunk(values, "BF16")))
     for o in row.outputs:
         name = o.transform_for(rows, cols)
         shape = o.shape(rows, cols)
@@ -45,7 +50,28 @@ def _runner(fmt: str, w: torch.Tensor):
         else:
             kernel = BY_NAME[name]
             calls.append(lambda k=kernel: k.cpu(Chunk(values, "BF16"), o.dtype or "BF16", None))
-    return (lambda: [c() for c in calls]), nbytes
+    if not plain:
+        return (lambda: [c() for c in calls]), nbytes
+
+    def run():
+        os.environ["CKPTTOOL_NATIVE"] = "0"
+        try:
+            [c() for c in calls]
+        finally:
+            del os.environ["CKPTTOOL_NATIVE"]
+    return run, nbytes
+
+
+def _without_c(run) -> None:
+    os.environ["CKPTTOOL_NATIVE"] = "0"
+    try:
+        run()
+    finally:
+        del os.environ["CKPTTOOL_NATIVE"]
+
+
+NATIVE = ("w4a16", "w4a16-asym", "w8a16", "nvfp4a16", "mxfp4")
+"""the formats with C loops (kernels/quant_native.py)"""
 
 
 def _repack_runner(rows: int, cols: int):
@@ -54,9 +80,7 @@ def _repack_runner(rows: int, cols: int):
     e8m0 = rng.integers(118, 126, (rows, cols // 32), dtype=np.uint8)
 
     def run():
-        v = repack.mxfp4_values(packed, e8m0)
-        e = repack.block_exponents(v, (128, 128))
-        repack.fp8_codes(v, e, (128, 128))
+        repack.mxfp4_to_fp8(packed, e8m0, (128, 128))  # the C loop where built (formats/repack.py's path)
     return run, rows * cols + (-(-rows // 128)) * (-(-cols // 128))
 
 
@@ -70,20 +94,23 @@ def main() -> None:
     w = (torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     names = [f for f in FORMATS if f != "fp8_block" and not target(f).repack_only]  # the alias, repack-only rows
     jobs = {f: _runner(f, w) for f in names}
+    jobs.update({f"{f} (torch)": _runner(f, w, plain=True) for f in NATIVE})
     jobs["repack mxfp4 -> fp8 128x128"] = _repack_runner(args.rows, args.cols)
+    repack_run, nbytes = _repack_runner(args.rows, args.cols)
+    jobs["repack mxfp4 -> fp8 128x128 (numpy)"] = (lambda r=repack_run: _without_c(r)), nbytes
     times: dict[str, list[float]] = {k: [] for k in jobs}
     for _ in range(args.reps):
         for k, (run, _) in jobs.items():
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             run()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(time.thread_time() - t0)
     base = jobs["fp8-block-deepseek"][1] / statistics.median(times["fp8-block-deepseek"])
     out = {}
     for k, (_, nbytes) in jobs.items():
         s = statistics.median(times[k])
         out[k] = {"s": round(s, 4), "output_bytes": nbytes, "mb_per_s_output": round(nbytes / s / 1e6, 1),
                   "vs_fp8_block_deepseek": round(nbytes / s / base, 3)}
-    print(json.dumps({"weight": [args.rows, args.cols], "reps": args.reps, "threads": 1,
+    print(json.dumps({"weight": [args.rows, args.cols], "reps": args.reps, "threads": 1, "clock": "thread_time",
                       "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch": torch.__version__,
                       "formats": out}, indent=1))
 

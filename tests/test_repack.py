@@ -350,3 +350,35 @@ def test_v4_repacks_into_1x128_blocks(v4, tmp_path):
     run_cli("dequant", tmp_path / "out", tmp_path / "b", "--quiet")
     for f in load_dir(tmp_path / "a"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+@pytest.mark.parametrize("block", [(128, 128), (1, 128), (32, 32)])
+def test_c_loop_gives_numpys_codes_exponents_and_first_refusal(block, monkeypatch):
+    """kernels/native/quant.c's MXFP4 -> FP8 loop against the numpy functions above: the same codes and exponents
+    over 15 binades a block (rows not a multiple of the block, all-zero groups), and, past 15, the same first block,
+    value and exponent refused."""
+    from ckpttool.kernels.native import library
+
+    if library() is None:
+        pytest.skip("the C library is not built here (setup.py)")
+    rng = np.random.default_rng(11)
+    rows, cols = 200, 384
+    packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    packed[7] = 0x80  # -0.0 and +0.0
+    e8m0 = rng.integers(110, 125, (rows, cols // 32), dtype=np.uint8)
+
+    def both(p, s):
+        out = []
+        for native in ("1", "0"):
+            monkeypatch.setenv("CKPTTOOL_NATIVE", native)
+            try:
+                out.append(repack.mxfp4_to_fp8(p, s, block))
+            except repack.Inexact as exc:
+                out.append((exc.block, exc.value, exc.scale_exp))
+        return out
+    (c_codes, c_exps), (n_codes, n_exps) = both(packed, e8m0)
+    assert np.array_equal(c_codes, n_codes) and np.array_equal(c_exps, n_exps)
+    if block != (1, 128):
+        e8m0[150, 3], e8m0[150, 4], packed[150, 48:64] = 140, 100, 0x77  # 40 binades apart in one block
+        c, n = both(packed, e8m0)
+        assert c == n and isinstance(c[0], tuple) and c[0][0] <= 150 // block[0], (c, n)  # refused alike

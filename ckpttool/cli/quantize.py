@@ -50,7 +50,7 @@ def quantize(src: Src, dst: Dst, to: ToOpt, group_size: GroupOpt = 128, mp: MpOp
     mxfp4; DeepSeek's FP8 blocks: fp8-block-deepseek (alias fp8_block); gpt-fast's int8 / int4.
 
     A quantized SRC is repacked exactly instead, never through BF16 and never rounding a value (a block it cannot
-    hold is refused by name): MXFP4 experts (DeepSeek-V4) into FP8 blocks with fp8-block-deepseek, fp8-32x32,
+    hold is refused by name): MXFP4 experts (DeepSeek-V4, gpt-oss) into FP8 blocks with fp8-block-deepseek, fp8-32x32,
     fp8-128x128 or fp8-1x128; FP8 blocks of one size into another with the same; ModelOpt NVFP4 into
     compressed-tensors' with nvfp4a16, and back with modelopt-nvfp4.
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,7 @@ from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.io.safetensors import TensorInfo
 from ckpttool.kernels import fp8_gather
 from ckpttool.kernels.fp8_cpu import NaNCodes
+from ckpttool.kernels.quant import NonFinite
 from ckpttool.plan.types import PlacedTensor, Plan
 
 
@@ -213,7 +215,10 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
         with clock.activity("read"):
             x = tensor_from_bytes(inputs.read_from(task.file, task.source), info.dtype, info.shape)
         with clock.activity("transform"):
-            x = QUANTIZE_TRANSFORMS[task.transform](x)
+            try:
+                x = QUANTIZE_TRANSFORMS[task.transform](x)
+            except NonFinite as exc:
+                raise exc.moved(0, file=inputs.root / task.file, tensor=task.source) from None
         with clock.activity("write"):
             for file, placed in task.pieces:
                 y = x if placed.tensor.narrow is None else x.narrow(*placed.tensor.narrow)
@@ -225,6 +230,8 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
     lo, hi = rows if rows is not None else _needed_rows(task)
     fmt = BY_NAME[task.transform] if task.transform else None
     sides = SideReader(inputs, task.source, fmt, task.sides) if fmt is not None else None
+    if fmt is not None and fmt.prepass is not None:
+        sides.global_scale = _prepass(task, inputs, fmt, chunk_bytes, gpu is None and _in_ram(inputs))
     step = task.chunk_rows(chunk_bytes)
     scalar = not info.shape
     in_row_bytes = info.nbytes // max(n_rows, 1)
@@ -262,10 +269,41 @@ def run_task(task: Task, inputs: ShardFiles, staging: Staging, gpu: CudaTransfor
                 except NaNCodes as exc:  # the kernel saw rows r0.. of the tensor
                     raise NaNCodes(None if exc.row is None else r0 + exc.row,
                                    file=inputs.root / task.file, tensor=task.source) from None
+                except NonFinite as exc:  # a quantize row saw source rows a.. (formats/outputs_stream.py)
+                    raise exc.moved(a, file=inputs.root / task.file, tensor=task.source) from None
         with clock.activity("write"):
             _write_rows(task, x, r0, r1, staging)
         del x  # a mapped chunk is unmapped here, its last view gone
     return list(task.pieces)
+
+
+_PREPASSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""a run's inputs -> {(file, tensor, the statistic): its value}: every output of one weight (NVFP4's codes, scales
+and global scale share one statistic) needs the same, computed once per process and run"""
+
+
+def _prepass(task: Task, inputs: ShardFiles, fmt, chunk_bytes: int, mapped: bool) -> float:
+    """The row's whole-tensor statistic (QuantFormat.prepass): max over bounded runs of the source's rows."""
+    known = _PREPASSED.setdefault(inputs, {})
+    key = (task.file, task.source, fmt.prepass)
+    if key in known:
+        return known[key]
+    from ckpttool.formats.row import Chunk
+
+    info = task.info
+    rows = info.shape[0] if info.shape else 1
+    step = max(1, chunk_bytes // max(1, info.nbytes // max(rows, 1)))
+    top = -math.inf
+    for a in range(0, rows, step):
+        b = min(a + step, rows)
+        x = read_span(inputs, task.file, info, 0, a, b, mapped=mapped)
+        try:
+            top = max(top, fmt.prepass(Chunk(x, info.dtype)))
+        except NonFinite as exc:
+            raise exc.moved(a, file=inputs.root / task.file, tensor=task.source) from None
+        del x
+    known[key] = top
+    return top
 
 
 def _copy_pieces(task: Task, inputs: ShardFiles, staging: Staging, rows: tuple[int, int] | None = None) -> bool:

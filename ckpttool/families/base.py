@@ -362,7 +362,7 @@ def unstack_experts(ckpt, keys: KeyMap, n_experts: int, held: dict[str, int] | N
     as the table's per-expert weights (each part is a contiguous byte range of the stack, so nothing
     is copied; under `model.` or a wrapper's prefix for its text tower), and each name the table lists as
     an alias as the row's name. Returns how many stacks were split. A table that names the stacked tensors
-    itself (gpt-oss) keeps them. `held`: Family.stacked_experts."""
+    itself (gpt-oss) keeps them, and their scales. `held`: Family.stacked_experts."""
     for name in sorted(ckpt.tensors):
         canonical = keys.canonical(name)
         if canonical is None:
@@ -376,8 +376,8 @@ def unstack_experts(ckpt, keys: KeyMap, n_experts: int, held: dict[str, int] | N
     split = 0
     for name in sorted(ckpt.tensors):
         match = STACKED_EXPERTS.fullmatch(name)
-        if match is None or keys.to_native(name) is not None:
-            continue
+        if match is None or any(keys.to_native(n) is not None for n in (name, name.removesuffix("_scale_inv"))):
+            continue  # a stack the table keeps, and its scales (gpt-oss's FP8 experts: formats/fp8_experts.py)
         prefix, layer, kind, scale = match.groups()
         per_expert = {r.native.split(".")[-2]: r.hf for r in keys.rows if r.split == EXPERT and r.companion is None
                       and r.hf.startswith(prefix + "layers.{layer}.")}

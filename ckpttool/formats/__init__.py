@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from typing import Callable
 
 from ckpttool.errors import InputError
-from ckpttool.formats import (awq, bnb, compressed, compressed_config, foreign, fp8, gptq, modelopt, outputs_stream,
-                              repack)
+from ckpttool.formats import (awq, bnb, compressed, compressed_config, foreign, fp8, fp8_experts, gptq, modelopt,
+                              outputs_stream, repack)
 from ckpttool.formats.blocks import FP8_BLOCK, FP8_SCALE, MXFP4, SCALE_SUFFIX  # noqa: F401 - the table's rows
 from ckpttool.formats.resolve import Match, Rule, resolve  # noqa: F401 - re-exported
 from ckpttool.formats.row import Chunk, Companion, QuantFormat, with_leaf  # noqa: F401 - re-exported
@@ -49,7 +49,8 @@ UNDECLARED = (Rule(FP8_BLOCK, "(no quantization_config)"), Rule(MXFP4, "(no quan
 """what a checkpoint without a quantization config may hold (as before configs named them)"""
 HF_QUANT_CONFIG = modelopt.HF_QUANT_CONFIG
 DECLARED_BY: dict[str, Callable[[dict, object], tuple[Rule, ...]]] = {
-    **{method: fp8.declared for method in fp8.METHODS},
+    **{method: (lambda quant, path: fp8.declared(quant, path) + fp8_experts.declared(quant, path))
+       for method in fp8.METHODS},
     "mxfp4": lambda quant, path: (Rule(MXFP4, "quantization_config"),),
     compressed_config.METHOD: compressed_config.declared,
     gptq.METHOD: gptq.declared,
@@ -59,7 +60,8 @@ DECLARED_BY: dict[str, Callable[[dict, object], tuple[Rule, ...]]] = {
 """quantization_config's quant_method -> the rules it declares, read as that library reads its config: a row
 each (ModelOpt, which may also speak through hf_quant_config.json, is read before this table)"""
 SUPPORTED_METHODS = (*DECLARED_BY, modelopt.METHOD)
-NAMED = (fp8.named, compressed.named, gptq.named, awq.named, bnb.named, repack.named, outputs_stream.named)
+NAMED = (fp8.named, fp8_experts.named, compressed.named, gptq.named, awq.named, bnb.named, repack.named,
+         outputs_stream.named)
 """the modules whose rows are made for a config's parameters: each rebuilds a row from the name a plan records"""
 
 

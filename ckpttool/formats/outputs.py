@@ -16,7 +16,8 @@ ones through `QUANTIZE_TRANSFORMS`) and the CLI's `--to` choices read this table
   fp8-block-deepseek         DeepSeek-V3's FP8 128x128 blocks with F32 `weight_scale_inv` (alias fp8_block)
   int8, int4                 gpt-fast's weight-only layouts (no engine loads them; config.json says so)
   fp8-32x32, fp8-128x128,    repacks only: FP8 blocks of that size from MXFP4 experts or FP8 blocks of another
-  fp8-1x128, modelopt-nvfp4  size; ModelOpt NVFP4 from compressed-tensors' (nvfp4a16 takes ModelOpt's the other way)
+  fp8-1x128, modelopt-nvfp4  size (DeepSeek-V4's and gpt-oss's MXFP4 experts); ModelOpt NVFP4 from compressed-tensors'
+                             (nvfp4a16 takes ModelOpt's the other way)
 
 The compressed-tensors rows write what the library's own `ModelCompressor.compress_model` writes for the same
 weights under that preset with min-max statistics and no calibration data, byte for byte, and its
@@ -28,9 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ckpttool.kernels import quant_ct
+from ckpttool.kernels import quant_ct, quant_native
 from ckpttool.kernels.fp8 import BLOCK, quantize_fp8_block, scale_shape
-from ckpttool.kernels.quant import INT4_GROUP_SIZES, pack_int4, quantize_int4_grouped, quantize_int8_per_channel
+from ckpttool.kernels.quant import (INT4_GROUP_SIZES, check_finite, pack_int4, quantize_int4_grouped,
+                                    quantize_int8_per_channel)
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +57,8 @@ class Output:
     transform: str  # the plan's name for it (TensorPlan.transform), unique over the table
     per_row: int | None = None
     align: int = 1
+    stat: bool = False
+    """made from the weight's whole-tensor statistic alone (`Target.prepass`: NVFP4's global scale)"""
 
     def transform_for(self, rows: int, cols: int) -> str:
         """The plan's transform name for a [rows, cols] weight (an output made from the shape alone says it)."""
@@ -80,12 +84,19 @@ class Target:
     repack_block: tuple[int, int] | None = None  # the blocks a repack writes (None: the config's weight_block_size)
     repack_only: bool = False  # takes quantized checkpoints only (`refuses` says so for a float weight)
     repacks_nvfp4_from: str | None = None  # the other library's NVFP4 row whose weights repack into this one
+    prepass: Callable[[torch.Tensor], float] | None = None
+    """a statistic of the whole weight the outputs need (NVFP4: its amax), as the max of this over runs of its
+    rows, computed in a first pass (formats/outputs_stream.py, execute/tasks.py) and given to `compute` as `stat`"""
     transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         for out in self.outputs:
             if out.per_row is None:  # the others are rows the executor streams (formats/outputs_stream.py)
-                self.transforms[out.transform] = (lambda leaf: lambda w: self.compute(w, leaf)[leaf])(out.leaf)
+                self.transforms[out.transform] = (lambda leaf: lambda w: self._whole(w, leaf))(out.leaf)
+
+    def _whole(self, w: torch.Tensor, leaf: str) -> torch.Tensor:
+        check_finite(w)
+        return self.compute(w, leaf)[leaf]
 
 
 # -- compressed-tensors --------------------------------------------------------------------------------
@@ -126,6 +137,8 @@ def _pack_int(bits: int, symmetric: bool) -> Callable[..., dict]:
 
         if leaf == "weight_shape":
             return {leaf: torch.tensor(list(w.shape), dtype=torch.int64)}
+        if (out := quant_native.int_outputs(w, leaf, bits, symmetric)) is not None:  # C loops, the same bits
+            return out
         scale, zero = quant_ct.qparams(*quant_ct.min_max(w, "group", 128), kind="int", bits=bits, symmetric=symmetric)
         if leaf == "weight_scale":
             return {leaf: scale}
@@ -176,9 +189,12 @@ def _fp8(strategy: str) -> Callable[..., dict]:
 
 
 def _fp4(mx: bool) -> Callable[..., dict]:
-    def compute(w: torch.Tensor, leaf: str | None = None) -> dict:
+    def compute(w: torch.Tensor, leaf: str | None = None, stat: float | None = None) -> dict:
+        """stat: the whole weight's amax where `w` is a run of its rows (NVFP4's global scale needs it)."""
         import torch
 
+        if mx and (out := quant_native.fp4_outputs(w, leaf, True)) is not None:  # C loops, the same bits
+            return out
         if mx:
             scale, _ = quant_ct.qparams(*quant_ct.min_max(w, "group", 32), kind="float", bits=4,
                                         scale_dtype=torch.uint8, mx=True)
@@ -186,9 +202,11 @@ def _fp4(mx: bool) -> Callable[..., dict]:
                 return {leaf: quant_ct.mx_scale_code(scale)}
             return {"weight_packed": quant_ct.quantize_fp4_grouped(w, scale, 32),
                     "weight_scale": quant_ct.mx_scale_code(scale)}
-        gs = quant_ct.global_scale_fp4(w)
+        gs = quant_ct.global_scale_fp4(w if stat is None else torch.tensor([stat], dtype=w.dtype, device=w.device))
         if leaf == "weight_global_scale":
             return {leaf: gs}
+        if (out := quant_native.fp4_outputs(w, leaf, False, gs)) is not None:
+            return out
         scale, _ = quant_ct.qparams(*quant_ct.min_max(w, "group", 16), kind="float", bits=4,
                                     scale_dtype=torch.float8_e4m3fn, global_scale=gs)
         if leaf == "weight_scale":
@@ -197,6 +215,12 @@ def _fp4(mx: bool) -> Callable[..., dict]:
                 "weight_scale": scale.to(torch.float8_e4m3fn),
                 "weight_global_scale": gs}
     return compute
+
+
+def _amax(w: torch.Tensor) -> float:
+    """max |w| of a run of rows, exact as a Python float (a BF16, F16 or F32 value is an fp64 value)."""
+    check_finite(w)
+    return float(w.abs().amax()) if w.numel() else 0.0
 
 
 _FP4_WEIGHTS = {"dynamic": False, "num_bits": 4, "symmetric": True, "type": "float"}
@@ -225,10 +249,11 @@ CT_TARGETS = (
                              "float-quantized"),
            library="compressed-tensors 0.20 `FloatQuantizationCompressor`"),
     Target(name="nvfp4a16", title="compressed-tensors NVFP4A16 (FP4 E2M1, FP8 scale per 16, global scale)",
-           outputs=(Output("weight_packed", "U8", lambda r, c: (r, c // 2), "quantize:nvfp4a16:packed"),
-                    Output("weight_scale", "F8_E4M3", lambda r, c: (r, c // 16), "quantize:nvfp4a16:scale"),
-                    Output("weight_global_scale", "F32", lambda r, c: (1,), "quantize:nvfp4a16:global_scale")),
-           compute=_fp4(False), refuses=_divides("NVFP4", 16),
+           outputs=(Output("weight_packed", "U8", lambda r, c: (r, c // 2), "quantize:nvfp4a16:packed", 1),
+                    Output("weight_scale", "F8_E4M3", lambda r, c: (r, c // 16), "quantize:nvfp4a16:scale", 1),
+                    Output("weight_global_scale", "F32", lambda r, c: (1,), "quantize:nvfp4a16:global_scale", 1,
+                           stat=True)),
+           compute=_fp4(False), refuses=_divides("NVFP4", 16), prepass=_amax,
            config=_ct_config({"weights": {**_FP4_WEIGHTS, "group_size": 16, "scale_dtype": "torch.float8_e4m3fn",
                                           "strategy": "tensor_group"}}, "nvfp4-pack-quantized"),
            library="compressed-tensors 0.20 `NVFP4PackedCompressor`", repacks_nvfp4_from="modelopt_nvfp4"),

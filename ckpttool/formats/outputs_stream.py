@@ -3,8 +3,10 @@ a run of the weight's rows in, the matching run of the output's rows out, so mem
 weight. `Output.per_row` says how many weight rows make one output row (1: codes and per-row scales; 128: an FP8
 block scale row; 8 or 4: a zero point word packed along the rows); the run is the row's whole computation on those
 rows (per-row, per-group and per-block statistics need no other rows), so the bytes are the whole tensor's.
-NVFP4 (its global scale is the whole tensor's amax) and gpt-fast's int4 `scales_and_zeros` (stored transposed,
-a row per group of columns) run whole (`QUANTIZE_TRANSFORMS`).
+NVFP4's global scale is the whole tensor's amax: its rows take a first pass (`Target.prepass`, the row's
+`prepass`), the max of each run's amax over every run of the weight, before any run is quantized; memory stays
+flat at the cost of reading the weight twice. gpt-fast's int4 `scales_and_zeros` (stored transposed, a row per
+group of columns) runs whole (`QUANTIZE_TRANSFORMS`).
 
 Names: the table's (`Output.transform`), and `{transform}:{rows}x{cols}` for a tensor made from the weight's shape
 alone (compressed-tensors' `weight_shape`).
@@ -19,10 +21,13 @@ import numpy as np
 from ckpttool.dtypes import torch_dtype
 from ckpttool.formats.outputs import TARGETS, Output, Target
 from ckpttool.formats.row import Chunk, Name, QuantFormat
+from ckpttool.kernels.quant import check_finite
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 WHOLE = 1 << 40
 """row_align of a tensor made from the weight's shape: one run writes it all"""
+_PREPASS: dict = {}
+"""a target's first-pass function, one object for all its outputs (the executor computes it once per weight)"""
 _BY_TRANSFORM = {o.transform: (t, o) for t in TARGETS for o in t.outputs if o.per_row is not None}
 
 
@@ -45,6 +50,11 @@ def _as_rows(t) -> np.ndarray:
 
 def _row(target: Target, out: Output, shape: tuple[int, int] | None) -> QuantFormat:
     k = out.per_row
+    def compute(w, c: Chunk):
+        check_finite(w)
+        if target.prepass is None:
+            return target.compute(w, out.leaf)[out.leaf]
+        return target.compute(w, out.leaf, stat=c.global_scale)[out.leaf]  # the first pass's, over every row
 
     def cpu(c: Chunk, dtype: str, into) -> np.ndarray:
         import torch
@@ -52,14 +62,14 @@ def _row(target: Target, out: Output, shape: tuple[int, int] | None) -> QuantFor
         if shape is not None:
             return np.asarray(shape, dtype=np.int64)
         with torch.no_grad():
-            return _as_rows(target.compute(_torch_rows(c), out.leaf)[out.leaf])
+            return _as_rows(compute(_torch_rows(c), c))
 
     def cuda(c: Chunk, out_dtype):
         import torch
 
         if shape is not None:
             return torch.tensor(shape, dtype=torch.int64, device=c.values.device), None
-        return target.compute(c.values, out.leaf)[out.leaf].contiguous(), None
+        return compute(c.values, c).contiguous(), None
 
     def example(dev) -> Chunk:
         import torch
@@ -67,14 +77,21 @@ def _row(target: Target, out: Output, shape: tuple[int, int] | None) -> QuantFor
         return Chunk(torch.zeros(128, 128, dtype=torch.bfloat16, device=dev), "BF16")
 
     def span(r0: int, r1: int, s: tuple) -> tuple[int, int, int]:
-        return (0, 0, min(1, s[0])) if shape is not None else (0, r0 * k, min(r1 * k, s[0]))
+        return (0, 0, min(1, s[0])) if shape is not None or out.stat else (0, r0 * k, min(r1 * k, s[0]))
+
+    def prepass(c: Chunk) -> float:
+        import torch
+
+        with torch.no_grad():
+            return target.prepass(_torch_rows(c))
 
     name = out.transform if shape is None else f"{out.transform}:{shape[0]}x{shape[1]}"
     return QuantFormat(name=name, title=f"{target.title}: {out.leaf}", values=Name("weight"),
                        value_dtypes=FLOAT_DTYPES, sides=(), check=lambda *a: None,
                        out_shape=lambda s: tuple(out.shape(*s)), source_span=span,
-                       row_align=WHOLE if shape is not None else max(out.align, 1),
-                       cpu=cpu, cuda=cuda, example=example, keepable=False)
+                       row_align=WHOLE if shape is not None or out.stat else max(out.align, 1),
+                       cpu=cpu, cuda=cuda, example=example, keepable=False,
+                       prepass=None if target.prepass is None else _PREPASS.setdefault(target.name, prepass))
 
 
 def named(name: str) -> QuantFormat | None:

@@ -11,6 +11,10 @@ A repack of weight X into FP8 b0 x b1 blocks makes two tensors from the same sto
 `SOURCES` lists the source rows a repack reads; each output row keeps its source's values and sides, so the
 planner's sides and the executor's reads are the source's own:
   mxfp4_experts   DeepSeek-V4's MXFP4 experts: E2M1 + E8M0 per 32 -> power-of-two scales (ue8m0)
+  mxfp4           gpt-oss's stacked MXFP4 experts X_blocks [E, R, G, 16] + X_scales [E, R, G] -> X F8_E4M3
+                  [E, R, G*32] + X_scale_inv F8_E8M0 [E, ceil(R/b0), ceil(G*32/b1)], each expert its own blocks, in
+                  the stored (output-rows) orientation transformers' FP8Experts allocates; formats/fp8_experts.py
+                  reads them back
   fp8_block       FP8 blocks of another size: E8M0 (or power-of-two F32) scales -> each new block's ue8m0 scale
                   from its exact values; float scales -> the largest source scale the new block covers, the codes
                   rescaled by powers of two (splitting 128x128 into 32x32: the same codes, the scale repeated)
@@ -20,13 +24,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
 
 from ckpttool.errors import InputError
-from ckpttool.formats.blocks import FP8_BLOCK, mxfp4_experts_row
+from ckpttool.formats.blocks import FP8_BLOCK, MXFP4, mxfp4_experts_row
+from ckpttool.formats.fp8_experts import EXPERTS_SCALE
 from ckpttool.formats.fp8 import block_row
 from ckpttool.formats.compressed import CT_NVFP4
 from ckpttool.formats.modelopt import MODELOPT_NVFP4
@@ -40,20 +45,36 @@ SLAB_VALUES = 4 << 20
 
 
 
+@dataclass(frozen=True)
 class Source:
     """How a repack reads one kind of source row: the row from its name's parameters, and a run's exact content as
     `(codes, scale)` of FP8 blocks of `dst` (scale: exponents where `pow2`, else F32 values)."""
 
-    def __init__(self, row: Callable[[str], QuantFormat | None], pow2: Callable[[str], bool],
-                 regroup: Callable[[str, Chunk, tuple[int, int]], tuple[np.ndarray, np.ndarray]],
-                 align: Callable[[str], int]):
-        self.row, self.pow2, self.regroup, self.align = row, pow2, regroup, align
+    row: Callable[[str], QuantFormat | None]
+    pow2: Callable[[str], bool]
+    regroup: Callable[[str, Chunk, tuple[int, int]], tuple[np.ndarray, np.ndarray]]
+    align: Callable[[str], int]
+    stacked: bool = False
+    """experts stacked along dim 0, each blocked on its own: a scale row per expert (else per b0 source rows)"""
+    codes_shape: Callable[[QuantFormat, tuple], tuple] = lambda src, shape: tuple(src.out_shape(shape))
+    names: Callable[[object], tuple[str, str]] = lambda m: (m.values, m.members["scale"])
+    """a Match -> (the codes' name, the scale's name)"""
+    scale_dtype: Callable[[str], str] = lambda stored: stored
+    """the source scale's dtype -> the repacked scale's"""
+    config: Callable[[dict, tuple[int, int]], dict] | None = None
+    """(the source's quantization_config, the block) -> the output's, where the source is not a transformers FP8
+    config (whose `weight_block_size` the repack rewrites, plan/repack.py)"""
+
+    def scale_rows(self, b0: int) -> int:
+        """Source rows (dim 0) a scale row covers."""
+        return 1 if self.stacked else b0
+
+    def scale_shape(self, codes: tuple, block: tuple[int, int]) -> tuple[int, ...]:
+        return (codes[0], *scale_shape(codes[1:], block)) if self.stacked else scale_shape(codes, block)
 
 
 def _mxfp4(args: str, c: Chunk, dst: tuple[int, int]):
-    values = repack.mxfp4_values(np.asarray(c.values), np.asarray(c.scale))
-    exps = repack.block_exponents(values, dst)
-    return repack.fp8_codes(values, exps, dst), exps
+    return repack.mxfp4_to_fp8(np.asarray(c.values), np.asarray(c.scale), dst)
 
 
 def _fp8_params(args: str) -> tuple[int, int, str]:
@@ -88,10 +109,26 @@ def _fp8(args: str, c: Chunk, dst: tuple[int, int]):
     return repack.fp8_regroup_float(codes, scale, (b0, b1), dst)
 
 
+def _gpt_oss(args: str, c: Chunk, dst: tuple[int, int]):
+    return repack.mxfp4_stacked_to_fp8(np.asarray(c.values).view(np.uint8), np.asarray(c.scale).view(np.uint8), dst)
+
+
+def _gpt_oss_config(quant: dict, block: tuple[int, int]) -> dict:
+    """transformers' FineGrainedFP8Config of E8M0 blocks, the modules the MXFP4 config left alone still left."""
+    out = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+           "weight_block_size": list(block)}
+    keep = quant.get("modules_to_not_convert")
+    return {**out, "modules_to_not_convert": list(keep)} if isinstance(keep, list) else out
+
+
 SOURCES: dict[str, Source] = {
     "mxfp4_experts": Source(mxfp4_experts_row, lambda args: True, _mxfp4, lambda args: 1),
     "fp8_block": Source(_fp8_row, lambda args: _fp8_params(args)[2] == "ue8m0", _fp8,
                         lambda args: _fp8_params(args)[0]),
+    "mxfp4": Source(lambda args: MXFP4 if not args else None, lambda args: True, _gpt_oss, lambda args: 1,
+                    stacked=True, codes_shape=lambda src, s: (s[0], s[1], s[2] * s[3] * 2),
+                    names=lambda m: (m.base, m.base + EXPERTS_SCALE), scale_dtype=lambda stored: "F8_E8M0",
+                    config=_gpt_oss_config),
 }
 """the source rows a repack reads, by the kind their names begin with"""
 
@@ -103,6 +140,11 @@ def _split(name: str) -> tuple[Source | None, str]:
 
 def repackable(row: QuantFormat) -> bool:
     return _split(row.name)[0] is not None
+
+
+def source_of(row: QuantFormat) -> Source:
+    """The repack source a repackable row is read as."""
+    return _split(row.name)[0]
 
 
 def block_of(row: QuantFormat) -> tuple[int, int] | None:
@@ -131,23 +173,24 @@ def codes_row(b0: int, b1: int, source: str) -> QuantFormat:
         try:
             return kind.regroup(args, c, block)[0]
         except repack.Inexact:  # the scale row, which sees the whole tensor, names the tensor and block
-            return np.zeros(np.asarray(c.values).shape[:1] + (src.out_shape(np.asarray(c.values).shape)[1],),
-                            dtype=np.uint8)
+            return np.zeros(kind.codes_shape(src, np.asarray(c.values).shape), dtype=np.uint8)
 
-    align = math.lcm(b0, kind.align(args))
+    align = math.lcm(kind.scale_rows(b0), kind.align(args))
     return replace(src, name=f"repack:codes:{b0}x{b1}:{source}", title=f"{src.title} -> FP8 {b0}x{b1} (exact)",
-                   row_align=align, cpu=cpu, cpu_into=False, cuda=_via_cpu(cpu), keepable=False, companion=None)
+                   out_shape=lambda s: kind.codes_shape(src, s), row_align=align, cpu=cpu, cpu_into=False,
+                   cuda=_via_cpu(cpu), keepable=False, companion=None)
 
 
 @functools.lru_cache(maxsize=None)
 def scale_row(b0: int, b1: int, source: str, tensor: str) -> QuantFormat:
     kind, args = _split(source)
     src, block, pow2 = kind.row(args), (b0, b1), kind.pow2(args)
+    per = kind.scale_rows(b0)
 
     def cpu(c: Chunk, out: str, into) -> np.ndarray:
         values = np.asarray(c.values)
-        step = math.lcm(b0, kind.align(args))
-        step *= max(1, SLAB_VALUES // max(1, step * values.shape[1]))
+        step = math.lcm(per, kind.align(args))
+        step *= max(1, SLAB_VALUES // max(1, step * math.prod(values.shape[1:])))
         parts = []
         for a in range(0, values.shape[0], step):  # slabs of whole blocks: bounded temporaries, one read
             b = min(a + step, values.shape[0])
@@ -155,7 +198,7 @@ def scale_row(b0: int, b1: int, source: str, tensor: str) -> QuantFormat:
             try:
                 parts.append(kind.regroup(args, Chunk(values[a:b], c.dtype, sides, c.side_dtypes), block)[1])
             except repack.Inexact as exc:
-                raise InputError(f"cannot repack exactly: {exc.moved(a // b0)}", tensor=tensor,
+                raise InputError(f"cannot repack exactly: {exc.moved(a // per)}", tensor=tensor,
                                  fix="keep this weight in its format (or dequantize it to BF16); ckpttool never "
                                      "rounds a value in a repack") from None
         scale = np.concatenate(parts, axis=0)
@@ -165,13 +208,13 @@ def scale_row(b0: int, b1: int, source: str, tensor: str) -> QuantFormat:
             return (scale + 127).astype(np.uint8)
         return np.ldexp(np.float32(1.0), scale).astype(np.float32)  # F32 powers of two (DeepSeek-V3.1)
 
-    sides = tuple(replace(s, read=WHOLE, rows=lambda r0, r1, s=s: s.rows(r0 * b0, r1 * b0)) if s in src.read_sides
-                  else s for s in src.sides)
+    sides = tuple(replace(s, read=WHOLE, rows=lambda r0, r1, s=s: s.rows(r0 * per, r1 * per))
+                  if s in src.read_sides else s for s in src.sides)
     return replace(src, name=f"repack:scale:{b0}x{b1}:{source}@{tensor}",
                    title=f"{src.title} -> FP8 {b0}x{b1} scales (exact)", sides=sides,
-                   out_shape=lambda s: scale_shape(src.out_shape(s), block), row_align=WHOLE_TENSOR,
-                   source_span=lambda r0, r1, shape: (0, r0 * b0, min(r1 * b0, shape[0])), cpu=cpu, cpu_into=False,
-                   cuda=_via_cpu(cpu), keepable=False, companion=None)
+                   out_shape=lambda s: kind.scale_shape(kind.codes_shape(src, s), block), row_align=WHOLE_TENSOR,
+                   source_span=lambda r0, r1, shape: (0, r0 * per, min(r1 * per, shape[0])), cpu=cpu,
+                   cpu_into=False, cuda=_via_cpu(cpu), keepable=False, companion=None)
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:

@@ -177,6 +177,11 @@ class QuantFormat:
     check_sides: Callable[[dict[str, np.ndarray]], str | None] = lambda sides: None
     """what is wrong with a run's side values taken together, checked before any kernel sees them (bitsandbytes'
     double-quant absmax, rebuilt from two sides, must be finite); None: nothing"""
+    prepass: Callable[[Chunk], float] | None = None
+    """a statistic the kernel needs from the whole tensor (NVFP4's global scale: the tensor's amax), one float a run
+    of the values' rows, combined by max over every run of the tensor before any run is transformed and given to
+    the kernel as `Chunk.global_scale`: a first pass over the source in bounded runs (execute/tasks.py); None:
+    no first pass"""
 
     def side(self, role: str) -> Side:
         return next(s for s in self.sides if s.role == role)

@@ -65,6 +65,11 @@ _SIGNATURES = {
     "ckpttool_bnb4_u16": ([_P, _I64, _P, _P, _I64, ctypes.c_int32, ctypes.c_int32, _P], None),
     "ckpttool_bnb4_u32": ([_P, _I64, _P, _P, _I64, _P], None),
     "ckpttool_bnb8": ([_P, _I64, _P, _I64, _I64, ctypes.c_int32, ctypes.c_int32, _P, _I64], None),
+    # the quantize stage's compressed-tensors loops (kernels/quant_native.py checks their arguments)
+    "ckpttool_quant_int_bf16": ([_P, _I64, _I64, _I64, _I64, ctypes.c_int32, ctypes.c_int32, _P, _I64, _P, _I64, _P,
+                                 _I64], _I64),
+    "ckpttool_quant_fp4_bf16": ([_P, _I64, _I64, _I64, ctypes.c_int32, ctypes.c_float, _P, _I64, _P, _I64], None),
+    "ckpttool_repack_mxfp4_fp8": ([_P, _P, _I64, _I64, _I64, _I64, _P, _P], _I64),  # kernels/repack.py checks
 }
 _SUFFIX = {np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32", np.dtype(np.uint64): "u64"}
 
@@ -297,7 +302,7 @@ def grouped(codes: np.ndarray, which: np.ndarray, tables: np.ndarray, group: int
             out.ctypes.data, _rows(out, tables.dtype, "out", (rows, width)), rows, width, group)
     if nan_above is not None:  # FP8 codes tested for NaN in the loop: the first row holding one, or -1
         if kind != "i32" or tables.dtype == np.uint64:
-            raise ValueError(f"grouped: NaN codes are tested with int32 `which` and 16- or 32-bit tables")
+            raise ValueError("grouped: NaN codes are tested with int32 `which` and 16- or 32-bit tables")
         return getattr(_load(), f"ckpttool_grouped_{_SUFFIX[tables.dtype]}_i32_checked")(
             *args, (0x7F - nan_above) * 0x0101010101010101)
     getattr(_load(), f"ckpttool_grouped_{_SUFFIX[tables.dtype]}_{kind}")(*args)

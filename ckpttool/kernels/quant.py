@@ -15,12 +15,46 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ckpttool.errors import InputError
+
 if TYPE_CHECKING:
     import torch
 
 # torch is imported inside each function: planning (stages/quantize.py) reads INT4_GROUP_SIZES
 # without paying for torch's import.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+class NonFinite(InputError):
+    """A float weight holding NaN or Inf, which no format's scale can represent (a min-max scale of Inf or NaN
+    would poison its whole group, block or row). `row`, `col`: the first such value in the rows the kernel saw;
+    the executor adds the file and tensor and turns `row` into the tensor's row, as for NaNCodes."""
+
+    def __init__(self, row: int | None = None, col: int | None = None, **context):
+        self.row, self.col = row, col
+        where = "" if row is None else f" (first at row {row}, column {col})"
+        super().__init__(f"cannot quantize a weight holding NaN or Inf{where}",
+                         fix="the source checkpoint is corrupt or was saved from a diverged run; re-download it, "
+                             "or repair the weight before quantizing (ckpttool never writes a scale from it)",
+                         **context)
+
+    def moved(self, rows: int, **context) -> "NonFinite":
+        """The same, `rows` rows further down the tensor (the run began there), naming file and tensor."""
+        return NonFinite(None if self.row is None else self.row + rows, self.col, **context)
+
+
+def check_finite(w: torch.Tensor) -> None:
+    """Refuse (NonFinite) a weight holding NaN or +-Inf: two reductions where it is finite, a search only where
+    it is not."""
+    import torch
+
+    if not w.numel() or not w.is_floating_point():
+        return
+    lo, hi = torch.aminmax(w.reshape(-1))
+    if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        return
+    bad = (~torch.isfinite(w.reshape(w.shape[0], -1) if w.dim() else w.reshape(1, 1))).nonzero()[0]
+    raise NonFinite(int(bad[0]), int(bad[1]))
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

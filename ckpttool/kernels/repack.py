@@ -19,6 +19,7 @@ import functools
 
 import numpy as np
 
+from ckpttool.kernels import native
 from ckpttool.kernels.fp8_cpu import fp8_values
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
@@ -26,13 +27,14 @@ FP8_MAX = 448.0
 
 
 class Inexact(ValueError):
-    """A value the target format cannot hold exactly: (block row, block column) of the run given."""
+    """A value the target format cannot hold exactly: (block row, block column) of the run given, or (expert,
+    block row, block column) of stacked experts."""
 
     def moved(self, rows: int) -> "Inexact":
-        """The same, `rows` block rows further down (the run began there)."""
-        return Inexact((self.block[0] + rows, self.block[1]), self.value, self.scale_exp, self.why)
+        """The same, `rows` block rows (stacked: experts) further down (the run began there)."""
+        return Inexact((self.block[0] + rows, *self.block[1:]), self.value, self.scale_exp, self.why)
 
-    def __init__(self, block: tuple[int, int], value: float, scale_exp: int, why: str = ""):
+    def __init__(self, block: tuple[int, ...], value: float, scale_exp: int, why: str = ""):
         self.block, self.value, self.scale_exp, self.why = block, value, scale_exp, why
         super().__init__(f"block {list(block)} " + (why or f"holds {value!r}, which FP8 e4m3 with the block's scale "
                                                          f"2**{scale_exp} cannot represent exactly"))
@@ -55,6 +57,48 @@ def mxfp4_values(packed: np.ndarray, e8m0: np.ndarray) -> np.ndarray:
     signed = np.where(codes & 8, -mag, mag)
     scale = np.ldexp(np.float32(1.0), e8m0.view(np.uint8).astype(np.int32) - 127).astype(np.float32)
     return (signed.reshape(rows, -1, 32) * scale[:, :, None]).reshape(rows, -1)
+
+
+def mxfp4_to_fp8(packed: np.ndarray, e8m0: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """[R, K/2] MXFP4 bytes and [R, K/32] E8M0 -> (FP8 codes [R, K], scale exponents of `block`):
+    `fp8_codes(v, block_exponents(v, block), block)` of `v = mxfp4_values(...)`, by kernels/native/quant.c's loop
+    where it is built (the same codes, exponents and first Inexact; tests/test_repack.py), else numpy."""
+    lib = native.library()
+    if lib is None:
+        values = mxfp4_values(packed, e8m0)
+        exps = block_exponents(values, block)
+        return fp8_codes(values, exps, block), exps
+    b = np.ascontiguousarray(packed.view(np.uint8))
+    s = np.ascontiguousarray(e8m0.view(np.uint8))
+    rows, cols = b.shape[0], b.shape[1] * 2
+    if b.ndim != 2 or s.shape != (rows, cols // 32) or cols % 32:
+        raise ValueError(f"mxfp4_to_fp8: bytes [R, K/2] and E8M0 [R, K/32], not {b.shape} and {s.shape}")
+    codes = np.empty((rows, cols), dtype=np.uint8)
+    exps = np.empty((-(-rows // block[0]), -(-cols // block[1])), dtype=np.int32)
+    bad = lib.ckpttool_repack_mxfp4_fp8(b.ctypes.data, s.ctypes.data, rows, cols, block[0], block[1],
+                                        codes.ctypes.data, exps.ctypes.data)
+    if bad >= 0:
+        i, j = divmod(int(bad), cols)
+        value = float(mxfp4_values(b[i:i + 1], s[i:i + 1])[0, j])
+        raise Inexact((i // block[0], j // block[1]), value, int(exps[i // block[0], j // block[1]]))
+    return codes, exps
+
+
+def mxfp4_stacked_to_fp8(blocks: np.ndarray, e8m0: np.ndarray, block: tuple[int, int]
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """gpt-oss's stacked MXFP4 experts, [E, R, G, 16] bytes and [E, R, G] E8M0 (each expert an [R, G*32] weight
+    stored by output rows) -> (FP8 codes [E, R, G*32], scale exponents [E, ceil(R/b0), ceil(G*32/b1)]): every expert
+    on its own, as `mxfp4_values` + `block_exponents` + `fp8_codes`; Inexact names (expert, block row, column)."""
+    experts, rows = blocks.shape[:2]
+    cols = blocks.shape[2] * blocks.shape[3] * 2
+    codes = np.empty((experts, rows, cols), dtype=np.uint8)
+    exps = np.empty((experts, -(-rows // block[0]), -(-cols // block[1])), dtype=np.int32)
+    for e in range(experts):
+        try:
+            codes[e], exps[e] = mxfp4_to_fp8(blocks[e].reshape(rows, -1), e8m0[e], block)
+        except Inexact as exc:
+            raise Inexact((e, *exc.block), exc.value, exc.scale_exp, exc.why) from None
+    return codes, exps
 
 
 def fp8_block_values(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:

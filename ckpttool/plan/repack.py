@@ -25,7 +25,7 @@ from ckpttool.formats.repack import (
     nvfp4_other,
     repackable,
     scale_row,
-    scale_shape,
+    source_of,
 )
 from ckpttool.formats.resolve import members_of
 from ckpttool.plan.dequant import Rules, matches
@@ -59,9 +59,15 @@ def repack(tensors: list[TensorPlan], rules: Rules, target: Target, config: dict
             raise PlanError(f"nothing to repack into {target.name}: no MXFP4 experts or FP8 blocks of another size",
                             file=source, fix="quantize a BF16 checkpoint with --to fp8-block-deepseek instead")
         return tensors, rules, None, 0, ()
+    own = {source_of(m.row).config for m in found.values()}
+    if own != {None}:  # a source whose config is not transformers' FP8 (gpt-oss's mxfp4): the row writes the output's
+        if len(own) > 1:
+            raise PlanError("the checkpoint mixes repack sources of different configs", file=source,
+                            fix="dequantize the checkpoint instead (ckpttool dequant)")
+        quant = next(iter(own))(quant, block)
     experts = any(block_of(m.row) is None for m in found.values())
-    if quant.get("quant_method") != "fp8" or (experts and (quant.get("expert_dtype") != "fp4"
-                                                           or quant.get("scale_fmt") != "ue8m0")):
+    if own == {None} and (quant.get("quant_method") != "fp8" or (experts and (quant.get("expert_dtype") != "fp4"
+                                                                             or quant.get("scale_fmt") != "ue8m0"))):
         raise PlanError("ckpttool repacks the FP8 blocks and MXFP4 experts of a transformers FP8 config "
                         "(quant_method fp8; MXFP4 experts under scale_fmt ue8m0, expert_dtype fp4); this one says "
                         f"{quant!r}", file=source, fix="dequantize the checkpoint instead (ckpttool dequant)")
@@ -75,13 +81,16 @@ def repack(tensors: list[TensorPlan], rules: Rules, target: Target, config: dict
         if m is None:
             out.append(t)
             continue
-        shape = m.row.out_shape(t.shape)
-        scale = m.members["scale"]
-        out.append(t.with_(name=m.values, dtype="F8_E4M3", shape=shape, transform=codes_row(*block, m.row.name).name,
+        kind = source_of(m.row)
+        shape = kind.codes_shape(m.row, t.shape)
+        codes, scale = kind.names(m)
+        out.append(t.with_(name=codes, dtype="F8_E4M3", shape=shape, transform=codes_row(*block, m.row.name).name,
                            sides=m.sides))
-        out.append(t.with_(name=scale, dtype=dtypes[scale], shape=scale_shape(shape, block),
-                           transform=scale_row(*block, m.row.name, t.name).name, sides=m.sides))
-    quant = {**quant, "weight_block_size": list(block), **({"expert_dtype": "fp8"} if experts else {})}
+        out.append(t.with_(name=scale, dtype=kind.scale_dtype(dtypes[m.members["scale"]]),
+                           shape=kind.scale_shape(shape, block), transform=scale_row(*block, m.row.name, t.name).name,
+                           sides=m.sides))
+    quant = {**quant, "weight_block_size": list(block),
+             **({"expert_dtype": "fp8"} if experts and own == {None} else {})}
     return out, declared_rules(quant, None, source), quant, len(found), ()
 
 
