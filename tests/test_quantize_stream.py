@@ -89,3 +89,25 @@ def test_nvfp4_peak_rss_does_not_grow_with_one_weights_size(tmp_path):
     growth_mib = (b["rss_kib"] - a["rss_kib"]) / 1024
     assert b["bytes"] - a["bytes"] > 50 << 20, "the larger weights must be substantially larger to mean anything"
     assert growth_mib < 0.5 * weight_mib, f"peak RSS grew {growth_mib:.0f} MiB for {weight_mib:.0f} MiB weights"
+
+
+def test_via_cpu_hands_the_cpu_function_its_carriers_and_returns_its_bytes():
+    """The quantize and repack rows' CUDA function runs their CPU function on host copies (formats/row.via_cpu):
+    bfloat16 and float8 tensors, which numpy cannot hold, arrive as the CPU path's integer carriers, and the result
+    comes back as a tensor of the same bytes (here on the CPU device; tests/test_quantize_gpu.py runs it on CUDA)."""
+    import numpy as np
+    import torch
+
+    from ckpttool.formats.row import Chunk, via_cpu
+
+    seen = {}
+
+    def cpu(c, dtype, into):
+        seen.update(values=c.values.dtype, scale=c.sides["scale"].dtype, dtype=dtype)
+        return np.concatenate([c.values.view(np.uint8), c.sides["scale"].view(np.uint8)], axis=1)
+
+    values = torch.randn(4, 8, dtype=torch.bfloat16)
+    scale = torch.randn(4, 2).to(torch.float8_e4m3fn)
+    y, bad = via_cpu(cpu)(Chunk(values, "BF16", {"scale": scale}, {"scale": "F8_E4M3"}, None), torch.bfloat16)
+    assert seen == {"values": np.uint16, "scale": np.uint8, "dtype": "BF16"} and bad is None
+    assert torch.equal(y[:, :16], values.view(torch.uint8)) and torch.equal(y[:, 16:], scale.view(torch.uint8))

@@ -20,7 +20,7 @@ import numpy as np
 
 from ckpttool.dtypes import torch_dtype
 from ckpttool.formats.outputs import TARGETS, Output, Target
-from ckpttool.formats.row import Chunk, Name, QuantFormat
+from ckpttool.formats.row import Chunk, Name, QuantFormat, via_cpu
 from ckpttool.kernels.quant import check_finite
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -64,13 +64,6 @@ def _row(target: Target, out: Output, shape: tuple[int, int] | None) -> QuantFor
         with torch.no_grad():
             return _as_rows(compute(_torch_rows(c), c))
 
-    def cuda(c: Chunk, out_dtype):
-        import torch
-
-        if shape is not None:
-            return torch.tensor(shape, dtype=torch.int64, device=c.values.device), None
-        return compute(c.values, c).contiguous(), None
-
     def example(dev) -> Chunk:
         import torch
 
@@ -90,7 +83,7 @@ def _row(target: Target, out: Output, shape: tuple[int, int] | None) -> QuantFor
                        value_dtypes=FLOAT_DTYPES, sides=(), check=lambda *a: None,
                        out_shape=lambda s: tuple(out.shape(*s)), source_span=span,
                        row_align=WHOLE if shape is not None or out.stat else max(out.align, 1),
-                       cpu=cpu, cuda=cuda, example=example, keepable=False,
+                       cpu=cpu, cuda=via_cpu(cpu), example=example, keepable=False,
                        prepass=None if target.prepass is None else _PREPASS.setdefault(target.name, prepass))
 
 

@@ -35,7 +35,7 @@ from ckpttool.formats.fp8_experts import EXPERTS_SCALE
 from ckpttool.formats.fp8 import block_row
 from ckpttool.formats.compressed import CT_NVFP4
 from ckpttool.formats.modelopt import MODELOPT_NVFP4
-from ckpttool.formats.row import WHOLE, Chunk, Name, QuantFormat, Side
+from ckpttool.formats.row import WHOLE, Chunk, Name, QuantFormat, Side, via_cpu
 from ckpttool.kernels import repack
 
 WHOLE_TENSOR = 1 << 40
@@ -153,17 +153,6 @@ def block_of(row: QuantFormat) -> tuple[int, int] | None:
     return _fp8_params(args)[:2] if kind == "fp8_block" else None
 
 
-def _via_cpu(cpu):
-    """CUDA: the same bits through the CPU kernel (a repack moves bytes; it has no arithmetic worth a GPU)."""
-    def run(c: Chunk, out_dtype):
-        import torch
-
-        host = Chunk(c.values.cpu().numpy(), c.dtype, {k: v.cpu().numpy() for k, v in c.sides.items()},
-                     c.side_dtypes, c.global_scale)
-        return torch.from_numpy(cpu(host, "", None)).to(c.values.device), None
-    return run
-
-
 @functools.lru_cache(maxsize=None)
 def codes_row(b0: int, b1: int, source: str) -> QuantFormat:
     kind, args = _split(source)
@@ -178,7 +167,7 @@ def codes_row(b0: int, b1: int, source: str) -> QuantFormat:
     align = math.lcm(kind.scale_rows(b0), kind.align(args))
     return replace(src, name=f"repack:codes:{b0}x{b1}:{source}", title=f"{src.title} -> FP8 {b0}x{b1} (exact)",
                    out_shape=lambda s: kind.codes_shape(src, s), row_align=align, cpu=cpu, cpu_into=False,
-                   cuda=_via_cpu(cpu), keepable=False, companion=None)
+                   cuda=via_cpu(cpu), keepable=False, companion=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,7 +203,7 @@ def scale_row(b0: int, b1: int, source: str, tensor: str) -> QuantFormat:
                    title=f"{src.title} -> FP8 {b0}x{b1} scales (exact)", sides=sides,
                    out_shape=lambda s: kind.scale_shape(kind.codes_shape(src, s), block), row_align=WHOLE_TENSOR,
                    source_span=lambda r0, r1, shape: (0, r0 * per, min(r1 * per, shape[0])), cpu=cpu,
-                   cpu_into=False, cuda=_via_cpu(cpu), keepable=False, companion=None)
+                   cpu_into=False, cuda=via_cpu(cpu), keepable=False, companion=None)
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
@@ -264,7 +253,7 @@ def nvfp4_codes_row(source: str) -> QuantFormat:
         return repack.nvfp4_codes(np.asarray(c.values), to)
 
     return replace(src, name=f"repack:nvfp4-codes:{source}", title=f"{src.title} -> {to} NVFP4 codes",
-                   out_shape=lambda s: tuple(s), row_align=1, cpu=cpu, cpu_into=False, cuda=_via_cpu(cpu),
+                   out_shape=lambda s: tuple(s), row_align=1, cpu=cpu, cpu_into=False, cuda=via_cpu(cpu),
                    companion=None)
 
 
@@ -291,5 +280,5 @@ def nvfp4_global_row(source: str, tensor: str) -> QuantFormat:
         name=f"repack:nvfp4-global:{source}@{tensor}", title=f"{src.title} -> {to_variant} per-tensor scale",
         values=Name("weight_scale"), value_dtypes=("F8_E4M3",), sides=(Side("global", Name(global_leaf), ("F32",)),),
         check=lambda *a: None, out_shape=lambda s: shape, row_align=WHOLE_TENSOR,
-        source_span=lambda r0, r1, s: (0, 0, s[0]), cpu=cpu, cuda=_via_cpu(cpu), example=src.example,
+        source_span=lambda r0, r1, s: (0, 0, s[0]), cpu=cpu, cuda=via_cpu(cpu), example=src.example,
         keepable=False, check_global=src.check_global)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from ckpttool.dtypes import CARRIERS, dtype_code
+
 if TYPE_CHECKING:
     import torch
 
@@ -224,3 +226,23 @@ def side_floats(values: np.ndarray, kind: str) -> np.ndarray | None:
     if kind in ("e8m0", "F8_E8M0"):  # a biased exponent; 0xFF is NaN (OCP microscaling)
         return np.where(values == 0xFF, np.float32(np.nan), np.float32(1.0))
     return None
+
+
+def via_cpu(cpu):
+    """A row's CUDA function that runs its CPU function on the host: the same bits, where a GPU kernel would buy
+    nothing (a repack moves bytes) or is not proven yet (the quantize rows' torch ops on CUDA)."""
+    def run(c: Chunk, out_dtype):
+        import torch
+
+        host = Chunk(_host(c.values, c.dtype), c.dtype, {k: _host(v, c.side_dtypes[k]) for k, v in c.sides.items()},
+                     c.side_dtypes, c.global_scale)
+        return torch.from_numpy(np.ascontiguousarray(cpu(host, dtype_code(out_dtype) or "", None))).to(c.values.device), None
+    return run
+
+
+def _host(t, dtype: str) -> np.ndarray:
+    """A device tensor back in its CPU carrier (numpy has no bfloat16 or float8: their bits as integers)."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.cpu().view(ints[t.element_size()]).numpy().view(CARRIERS[dtype])
