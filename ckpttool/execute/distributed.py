@@ -17,7 +17,7 @@ from ckpttool.plan.types import Plan
 
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """what torchrun sets in every process it launches: all of them, or this is not a torchrun launch"""
-RUN_TIMEOUT = timedelta(hours=12)
+RUN_TIMEOUT = timedelta(seconds=rendezvous.RUN_TIMEOUT_S)
 """barriers after joining: a fast rank waits for the slowest rank's share of the files"""
 
 

@@ -24,6 +24,8 @@ from ckpttool.version import __version__
 MAX_MESSAGE = 1 << 20
 """bytes of one message: the largest is every node's timeline, a few hundred bytes each"""
 _HEADER = struct.Struct("!Q")
+RUN_TIMEOUT_S = 12 * 3600
+"""after joining, as torchrun ranks' barriers (distributed.RUN_TIMEOUT): then a silent node fails the run"""
 SETTING = "CKPTTOOL_NODES"
 
 
@@ -91,7 +93,7 @@ class SocketGroup:
             self.close()
             raise
         for sock in self.peers.values():
-            sock.settimeout(None)  # after joining, a fast node waits as long as the slowest node's share takes
+            sock.settimeout(RUN_TIMEOUT_S)  # after joining, a fast node waits as long as the slowest node's share takes
 
     def _accept(self, host: str, port: int, hello: dict, deadline: float) -> None:
         try:
