@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ckpttool import defaults
 from ckpttool.errors import CkptError, InputError, OutputError, RecipeError
-from ckpttool.execute.distributed import Group, assign_files, local_world_size, world
+from ckpttool.execute.distributed import Group, assign_files, launched_by_torchrun, local_world_size, world
 from ckpttool.execute.executor import execute
 from ckpttool.execute.forked import ForkedRanks, layout, rank_share
 from ckpttool.execute.osutil import in_memory_fs
@@ -171,7 +171,7 @@ def run(request: Request) -> RunReport | dict:
         opts.max_input_files = dl.max_input_files
     report = RunReport(recipe.name, convert(src, request.dst, job, opts))
     verify = recipe.stage("verify")
-    if verify is not None:
+    if verify is not None and (launched_by_torchrun() or world()[0] == 0):  # CKPTTOOL_NODES: node 0 verifies
         from ckpttool.verify.run import run_verify  # torch loads only when a verify stage runs
 
         reference, skipped = verify.reference, None

@@ -116,3 +116,22 @@ def test_a_node_killed_mid_run_fails_the_run_naming_it_and_resume_finishes(tiny_
     assert all(code == 0 for code, _, _ in results), results
     run_cli("convert", tiny_v3, tmp_path / "one", "--mp", 4, "--quiet")
     assert _files(tmp_path / "nodes") == _files(tmp_path / "one")
+
+
+def test_convert_verify_across_nodes_verifies_once_on_node_0(tiny_v3, tmp_path):
+    """`convert --verify` under CKPTTOOL_NODES: node 0 verifies the published shards; node 1 (torch.distributed
+    unimportable there, so a verify would fail it) stops after the conversion."""
+    port = _free_port()
+    args = ["convert", tiny_v3, tmp_path / "out", "--mp", 2, "--verify", "--prompt-ids", "0,5", "--json",
+            "--workers", 1]
+    env = {**os.environ, "CKPTTOOL_JOIN_TIMEOUT_S": "60"}
+    node0 = subprocess.Popen([sys.executable, "-m", "ckpttool", *map(str, args)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**env, "CKPTTOOL_NODES": f"127.0.0.1:{port},2,0"})
+    no_dist = NO_TORCH.replace("sys.modules['torch'] = None", "sys.modules['torch.distributed'] = None")
+    node1 = subprocess.Popen([sys.executable, "-c", no_dist, *map(str, args)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**env, "CKPTTOOL_NODES": f"127.0.0.1:{port},2,1"})
+    (out0, err0), (out1, err1) = node0.communicate(timeout=600), node1.communicate(timeout=600)
+    assert node1.returncode == 0 and out1 == "", err1[-2000:]
+    assert node0.returncode == 0, err0[-3000:]
+    report = json.loads(out0)
+    assert report["ok"] and report["verify"]["ok"], report["verify"]
