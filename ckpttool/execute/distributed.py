@@ -138,7 +138,8 @@ class Group:
             if self.rank == 0 and error is not None:
                 raise error
             name, message, file, tensor, fix = err
-            raise _ERRORS.get(name, CkptError)(message, file=file, tensor=tensor, fix=fix)
+            cls = next((c for c in _subclasses(errors.CkptError) if c.__name__ == name), CkptError)
+            raise cls(message, file=file, tensor=tensor, fix=fix)
         return value
 
     def all_ok(self, ok: bool, note: object = None) -> bool | tuple[bool, list]:
@@ -157,8 +158,6 @@ class Group:
 
 
 def _subclasses(cls: type) -> list[type]:
+    """ckpttool's error classes, as imported now: rank 0's error is rebuilt by its class's name on every rank."""
     return [cls] + [s for c in cls.__subclasses__() for s in _subclasses(c)]
 
-
-_ERRORS = {c.__name__: c for c in _subclasses(errors.CkptError)}
-"""rank 0's error, rebuilt by its class's name on every rank (only ckpttool's own errors)"""
