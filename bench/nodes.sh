@@ -35,6 +35,11 @@ run_tree() {  # one process tree on every core
   python3 -m ckpttool convert "$SRC" "$DST" --mp 8 --quiet --json > "$LOGS/tree.json"; local s=$(since "$t")
   echo "{\"run\": \"tree\", \"cores\": $CORES, \"wall_s\": $s, \"digest\": \"$(digest "$DST")\", \"report\": $(reports "$LOGS")}"
 }
+joined() {  # wait for the launched nodes ($pids; not in a subshell), then JOINED_S = seconds since $1
+  local rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  [ $rc = 0 ] || { echo "node run failed" >&2; tail -n 5 /tmp/node*.err >&2; }
+  JOINED_S=$(since "$1"); PORT=$((PORT + 1))
+}
 run_nodes() {  # N simulated nodes of R ranks each; the rest: extra convert args
   local n=$1 r=$2; shift 2; rm -rf "$DST" "$LOGS"; local per=$((CORES / n)); local t=$(now); local pids=()
   for ((i = 0; i < n; i++)); do
@@ -43,9 +48,7 @@ run_nodes() {  # N simulated nodes of R ranks each; the rest: extra convert args
       -m ckpttool convert "$SRC" "$DST" --mp 8 --quiet --json "$@" > /tmp/node$i.out 2> /tmp/node$i.err &
     pids+=($!)
   done
-  local rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
-  local s=$(since "$t"); PORT=$((PORT + 1))
-  [ $rc = 0 ] || { echo "node run failed"; tail -5 /tmp/node*.err; }
+  joined "$t"; local s=$JOINED_S
   echo "{\"run\": \"nodes\", \"nodes\": $n, \"ranks_per_node\": $r, \"cores_per_node\": $per, \"args\": \"$*\", \"wall_s\": $s, \"digest\": \"$(digest "$DST")\", \"report\": $(reports "$LOGS")}"
 }
 run_sockets() {  # N simulated nodes meeting through CKPTTOOL_NODES (no torchrun, no torch); the rest: extra args
@@ -55,9 +58,7 @@ run_sockets() {  # N simulated nodes meeting through CKPTTOOL_NODES (no torchrun
       python3 -m ckpttool convert "$SRC" "$DST" --mp 8 --quiet --json "$@" > "$LOGS/node$i.json" 2> /tmp/node$i.err &
     pids+=($!)
   done
-  local rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
-  local s=$(since "$t"); PORT=$((PORT + 1))
-  [ $rc = 0 ] || { echo "node run failed"; tail -5 /tmp/node*.err; }
+  joined "$t"; local s=$JOINED_S
   echo "{\"run\": \"sockets\", \"nodes\": $n, \"cores_per_node\": $per, \"args\": \"$*\", \"wall_s\": $s, \"digest\": \"$(digest "$DST")\", \"report\": $(reports "$LOGS")}"
 }
 run_tree  # warm-up: the page cache and the kernels, not counted
