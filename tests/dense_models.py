@@ -26,6 +26,11 @@ TINY = {
                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                     max_position_embeddings=64, sliding_window=4, tie_word_embeddings=False),
 }
+BLOCK_LLAMA = dict(cls="LlamaForCausalLM", config="LlamaConfig", vocab_size=256, hidden_size=256, intermediate_size=512,
+                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                   max_position_embeddings=64, tie_word_embeddings=False)
+"""a tiny llama whose widths 128-column groups and 128x128 blocks divide (the quantize and repack tests' model;
+they override layers, KV heads or tying with `{**BLOCK_LLAMA, ...}`)"""
 PROMPT = [3, 17, 42, 99, 7, 150]
 NEW_TOKENS = 6
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import load_dir, run_cli
-from dense_models import build_hf
+from dense_models import BLOCK_LLAMA, build_hf
 
 from ckpttool.kernels.fp8 import dequant_fp8_block, quantize_fp8_block
 from ckpttool.kernels.quant import (
@@ -136,9 +136,7 @@ def test_int4_is_gpt_fast_bit_for_bit_packs_losslessly_and_is_within_half_a_step
 @pytest.fixture(scope="session")
 def llama_128(tmp_path_factory):
     """A tiny llama whose head_dim (128) and widths fall on FP8 block boundaries at mp=2."""
-    spec = dict(cls="LlamaForCausalLM", config="LlamaConfig", vocab_size=256, hidden_size=256, intermediate_size=512,
-                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
-                max_position_embeddings=64, tie_word_embeddings=False)
+    spec = {**BLOCK_LLAMA, "num_key_value_heads": 2}
     return build_hf("llama", tmp_path_factory.mktemp("q") / "llama128", seed=5, spec=spec)
 
 

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from conftest import run_cli
-from dense_models import build_hf
+from dense_models import BLOCK_LLAMA, build_hf
 from test_engines import PYTHON, VLLM_ENV, _run_engine
 
 pytestmark = pytest.mark.engines
@@ -30,9 +30,7 @@ KNOWN_LIMITS = {  # format: (what vLLM's error must say, why it cannot run on th
 def test_vllm_cpu_runs_each_format_it_has_a_kernel_for(tmp_path):
     if not PYTHON.exists():
         pytest.skip(f"no engines venv at {PYTHON.parent.parent} (bash scripts/install_engines.sh)")
-    spec = dict(cls="LlamaForCausalLM", config="LlamaConfig", vocab_size=256, hidden_size=256, intermediate_size=512,
-                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-                max_position_embeddings=64, tie_word_embeddings=False)
+    spec = {**BLOCK_LLAMA, "num_hidden_layers": 2}
     src = build_hf("llama", tmp_path / "src", seed=11, spec=spec)
     jobs = []
     for fmt in FORMATS:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from dense_models import build_hf
+from dense_models import BLOCK_LLAMA, build_hf
 from quant_builders import load_all, write_like
 
 from ckpttool.errors import InputError
@@ -23,10 +23,7 @@ ROW, COL = 200, 37
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    spec = dict(cls="LlamaForCausalLM", config="LlamaConfig", vocab_size=256, hidden_size=256, intermediate_size=512,
-                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-                max_position_embeddings=64, tie_word_embeddings=False)
-    return build_hf("llama", tmp_path_factory.mktemp("nonfinite") / "llama", seed=4, spec=spec)
+    return build_hf("llama", tmp_path_factory.mktemp("nonfinite") / "llama", seed=4, spec=BLOCK_LLAMA)
 
 
 def _poisoned(src, dst, value: float):

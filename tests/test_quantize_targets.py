@@ -12,7 +12,7 @@ import torch
 
 from conftest import load_dir, run_cli
 from ct_oracle import PRESETS, compress_model
-from dense_models import build_hf
+from dense_models import BLOCK_LLAMA, build_hf
 
 FORMATS = tuple(PRESETS)
 PROMPT = [3, 17, 42, 99]
@@ -21,9 +21,7 @@ PROMPT = [3, 17, 42, 99]
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """A tiny llama whose widths the 128-column groups and 128x128 blocks divide."""
-    spec = dict(cls="LlamaForCausalLM", config="LlamaConfig", vocab_size=256, hidden_size=256, intermediate_size=512,
-                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-                max_position_embeddings=64, tie_word_embeddings=False)
+    spec = {**BLOCK_LLAMA, "num_hidden_layers": 2}
     return build_hf("llama", tmp_path_factory.mktemp("ct") / "llama", seed=11, spec=spec)
 
 
@@ -169,9 +167,7 @@ def test_moe_routers_and_head_stay_and_are_ignored_in_the_config(tmp_path):
 def test_a_tied_head_is_ignored_as_the_library_ignores_it(tmp_path):
     """tie_word_embeddings: no lm_head tensor is stored, but transformers' model has the Linear module, and the
     library lists it in `ignore`; so does ckpttool (from the family's key table), bytes and config alike."""
-    spec = dict(cls="LlamaForCausalLM", config="LlamaConfig", vocab_size=256, hidden_size=256, intermediate_size=512,
-                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-                max_position_embeddings=64, tie_word_embeddings=True)
+    spec = {**BLOCK_LLAMA, "tie_word_embeddings": True}
     src = build_hf("llama", tmp_path / "tied", seed=2, spec=spec)
     lib = compress_model(src, tmp_path / "lib", "w8a16")
     run_cli("quantize", src, tmp_path / "ours", "--to", "w8a16", "--quiet")

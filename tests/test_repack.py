@@ -194,14 +194,11 @@ def test_repack_only_targets_refuse_float_weights_and_nothing_to_do(tiny_llama, 
 def nvfp4(tmp_path_factory) -> dict:
     """A tiny llama in ModelOpt's NVFP4 (its NVFP4QTensor on every projection, hf_quant_config.json) and in
     compressed-tensors' (ckpttool's --to nvfp4a16, the library's bytes)."""
-    from dense_models import build_hf
+    from dense_models import BLOCK_LLAMA, build_hf
     from quant_builders import LINEAR, quantize_checkpoint
 
     root = tmp_path_factory.mktemp("nvfp4")
-    spec = dict(cls="LlamaForCausalLM", config="LlamaConfig", vocab_size=256, hidden_size=256, intermediate_size=512,
-                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-                max_position_embeddings=64, tie_word_embeddings=False)
-    bf16 = build_hf("llama", root / "bf16", seed=9, spec=spec)
+    bf16 = build_hf("llama", root / "bf16", seed=9, spec=BLOCK_LLAMA)
     made = quantize_checkpoint(bf16, root / "modelopt", "modelopt_nvfp4", LINEAR)
     run_cli("quantize", bf16, root / "ct", "--to", "nvfp4a16", "--quiet")
     return {"bf16": bf16, "modelopt": root / "modelopt", "ct": root / "ct", "made": made}
