@@ -32,9 +32,6 @@ from ckpttool.timing import Timings
 _FIX = "install Triton for your CUDA torch (pip install 'ckpttool[triton]'), or pass --device cpu (the same bits)"
 
 
-_BY_SIZE = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
-"""the bytes of a result whose element size is not its task's output dtype's, carried as rows of that size"""
-
 class CudaTransforms:
     def __init__(self, device: str, transforms: list[QuantFormat], timings: Timings | None = None):
         """device: "cuda[:N]" (no CUDA is an error) or "auto" (no CUDA: stay on the CPU)."""
@@ -132,9 +129,9 @@ class CudaTransforms:
             # decoded on the call's own device and stream: a cell a later call took runs the kernel again there
             if first_bad is not None and (row := first_bad.decode(int(flag[0]))) is not None:
                 raise NaNCodes(row)  # the executor names the file, the tensor and the tensor's row
-        carrier = CARRIERS[out_dtype]  # a quantize row's leaves (scales, codes, shapes) come in their own dtypes
-        if carrier.itemsize != y.element_size():
-            carrier = _BY_SIZE[y.element_size()]
+        carrier = CARRIERS[out_dtype]  # a quantize row's leaves (scales, codes, shapes) come in their own dtypes:
+        if carrier.itemsize != y.element_size():  # their bytes, as unsigned integers of that size
+            carrier = CARRIERS[f"U{8 * y.element_size()}"]
         return buf.view(carrier).reshape(tuple(y.shape))
 
     def _flag(self):

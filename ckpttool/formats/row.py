@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ckpttool.dtypes import CARRIERS, dtype_code
+from ckpttool.dtypes import CARRIERS, dtype_code, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -242,7 +242,5 @@ def via_cpu(cpu):
 
 def _host(t, dtype: str) -> np.ndarray:
     """A device tensor back in its CPU carrier (numpy has no bfloat16 or float8: their bits as integers)."""
-    import torch
-
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.cpu().view(ints[t.element_size()]).numpy().view(CARRIERS[dtype])
+    ints = torch_dtype(f"I{8 * t.element_size()}")
+    return t.cpu().view(ints).numpy().view(CARRIERS[dtype])
