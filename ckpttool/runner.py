@@ -43,7 +43,7 @@ from ckpttool.publish.destination import (
 )
 from ckpttool.publish.publish import publish
 from ckpttool.recipe import INPUT, DownloadStage, Execution, Recipe
-from ckpttool.timing import Timings, rank_timeline
+from ckpttool.timing import Timings
 from ckpttool.verify.preflight import check_prompt_source, input_reference
 
 Job = Spec | MergeSpec
@@ -383,9 +383,7 @@ def _convert(src, dst: Path, job: Job, opts: ExecOptions, group: Group, locks: l
             raise
         finally:
             staging.close_files()
-            everyone_ok, notes = group.all_ok(ok, clock.rank_note(group.rank))
-            if group.world_size > 1 and group.rank == 0:
-                clock.ranks = rank_timeline(notes)
+            everyone_ok = group.all_ok(ok, clock)  # rank 0's clock also gets every rank's timeline
         try:
             if not everyone_ok:
                 raise OutputError("another rank failed; this rank's work is journalled", file=dst / PARTIAL_DIR,

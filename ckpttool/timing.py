@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class Timings:
@@ -69,7 +70,7 @@ class Timings:
     def rank_note(self, rank: int) -> dict:
         """What this rank contributes to the timeline, as wall-clock times: its process's start, its run's, now."""
         return {"rank": rank, "process": process_started(), "convert": self.began, "barrier": time.time(),
-                "phases_s": {k: round(v, 3) for k, v in self.phases.items()}}
+                "phases_s": self.to_json()["phases_s"]}
 
 
 def rank_timeline(notes: list[dict]) -> list[dict]:
@@ -83,8 +84,9 @@ def rank_timeline(notes: list[dict]) -> list[dict]:
 def process_started() -> float | None:
     """This process's start as wall-clock seconds (Linux /proc; None elsewhere): the timeline's import cost."""
     try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None

@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from ckpttool import settings
-from ckpttool import errors
+from ckpttool import errors, settings
 from ckpttool.errors import CkptError
 from ckpttool.execute import rendezvous
 from ckpttool.plan.types import Plan
+from ckpttool.timing import Timings, rank_timeline
 
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """what torchrun sets in every process it launches: all of them, or this is not a torchrun launch"""
@@ -142,13 +142,15 @@ class Group:
             raise cls(message, file=file, tensor=tensor, fix=fix)
         return value
 
-    def all_ok(self, ok: bool, note: object = None) -> bool | tuple[bool, list]:
-        """True only if every rank finished its share. With a `note`, also every rank's note, in rank order."""
+    def all_ok(self, ok: bool, clock: Timings | None = None) -> bool:
+        """True only if every rank finished its share. With the run's `clock`, rank 0's also gets every rank's
+        timeline (`Timings.ranks`)."""
         if self.world_size == 1:
-            return ok if note is None else (ok, [note])
-        flags = self._all_gather([ok, note])
-        everyone = all(f[0] for f in flags)
-        return everyone if note is None else (everyone, [f[1] for f in flags])
+            return ok
+        flags = self._all_gather([ok, None if clock is None else clock.rank_note(self.rank)])
+        if clock is not None and self.rank == 0:
+            clock.ranks = rank_timeline([f[1] for f in flags])
+        return all(f[0] for f in flags)
 
     def close(self) -> None:
         if self.sockets is not None:
