@@ -111,3 +111,23 @@ def test_via_cpu_hands_the_cpu_function_its_carriers_and_returns_its_bytes():
     y, bad = via_cpu(cpu)(Chunk(values, "BF16", {"scale": scale}, {"scale": "F8_E4M3"}, None), torch.bfloat16)
     assert seen == {"values": np.uint16, "scale": np.uint8, "dtype": "BF16"} and bad is None
     assert torch.equal(y[:, :16], values.view(torch.uint8)) and torch.equal(y[:, 16:], scale.view(torch.uint8))
+
+
+def test_fp8_experts_cuda_function_gives_its_cpu_bytes_from_float8_tensors():
+    """The stacked FP8 experts row's device function (via_cpu) takes float8 codes and E8M0 scales as tensors, which
+    numpy cannot hold, and returns the CPU function's BF16 words (run here with CPU tensors; on CUDA in
+    tests/test_quantize_gpu.py)."""
+    import numpy as np
+    import torch
+
+    from ckpttool.formats.fp8_experts import experts_row
+    from ckpttool.formats.row import Chunk
+
+    row = experts_row(128, 128, "ue8m0")
+    codes = torch.randn(2, 128, 256).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[[120, 127]], [[130, 125]]], dtype=torch.uint8)
+    want = row.cpu(Chunk(codes.view(torch.uint8).numpy(), "F8_E4M3", {"scale": scale.numpy()}, {"scale": "F8_E8M0"}),
+                   "BF16", None)
+    got, bad = row.cuda(Chunk(codes, "F8_E4M3", {"scale": scale}, {"scale": "F8_E8M0"}), torch.bfloat16)
+    assert bad is None and got.shape == (2, 256, 128) and want.dtype == np.uint16
+    assert np.array_equal(got.numpy().view(np.uint16), want)

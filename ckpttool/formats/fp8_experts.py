@@ -24,7 +24,7 @@ import numpy as np
 from ckpttool.errors import InputError
 from ckpttool.formats.fp8 import E8M0, block_row
 from ckpttool.formats.resolve import Rule
-from ckpttool.formats.row import BY_ROWS, Chunk, Name, QuantFormat, Side
+from ckpttool.formats.row import BY_ROWS, Chunk, Name, QuantFormat, Side, via_cpu
 from ckpttool.kernels.fp8 import FP8_DTYPES
 
 EXPERTS_SCALE = "_scale_inv"
@@ -63,16 +63,6 @@ def experts_row(b0: int, b1: int, scale_fmt: str) -> QuantFormat:
             result[e] = per_expert.cpu(one, out, None).T
         return result
 
-    def cuda(c: Chunk, out_dtype):
-        import torch
-
-        from ckpttool.dtypes import dtype_code
-
-        host = Chunk(c.values.cpu().numpy(), c.dtype, {"scale": c.scale.cpu().numpy()}, c.side_dtypes)
-        words = cpu(host, dtype_code(out_dtype), None)
-        return torch.from_numpy(words.view(words.dtype.str.replace("u", "i"))).view(out_dtype).to(c.values.device), \
-            None
-
     def example(dev) -> Chunk:
         import torch
 
@@ -85,7 +75,7 @@ def experts_row(b0: int, b1: int, scale_fmt: str) -> QuantFormat:
         values=_Stacked("", leaf=False), value_dtypes=FP8_DTYPES,
         sides=(Side("scale", Name(EXPERTS_SCALE, leaf=False), ("F32", *E8M0) if scale_fmt == "ue8m0" else ("F32",),
                     BY_ROWS, encoding="e8m0", positive=True),),
-        check=_check((b0, b1)), out_shape=lambda s: (s[0], s[2], s[1]), cpu=cpu, cuda=cuda, example=example,
+        check=_check((b0, b1)), out_shape=lambda s: (s[0], s[2], s[1]), cpu=cpu, cuda=via_cpu(cpu), example=example,
         keepable=False)
 
 

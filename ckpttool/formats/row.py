@@ -236,7 +236,10 @@ def via_cpu(cpu):
 
         host = Chunk(_host(c.values, c.dtype), c.dtype, {k: _host(v, c.side_dtypes[k]) for k, v in c.sides.items()},
                      c.side_dtypes, c.global_scale)
-        return torch.from_numpy(np.ascontiguousarray(cpu(host, dtype_code(out_dtype) or "", None))).to(c.values.device), None
+        out = np.ascontiguousarray(cpu(host, dtype_code(out_dtype) or "", None))
+        if out.dtype.kind == "u" and out.itemsize > 1:  # torch's uint16..64 support few operations: the same bytes
+            out = out.view(f"i{out.itemsize}")
+        return torch.from_numpy(out).to(c.values.device), None
     return run
 
 
