@@ -131,3 +131,21 @@ def test_fp8_experts_cuda_function_gives_its_cpu_bytes_from_float8_tensors():
     got, bad = row.cuda(Chunk(codes, "F8_E4M3", {"scale": scale}, {"scale": "F8_E8M0"}), torch.bfloat16)
     assert bad is None and got.shape == (2, 256, 128) and want.dtype == np.uint16
     assert np.array_equal(got.numpy().view(np.uint16), want)
+
+
+@pytest.mark.parametrize("transform", sorted(__import__("ckpttool.formats.outputs_stream", fromlist=["x"])
+                                             ._BY_TRANSFORM))
+def test_every_streamed_rows_device_function_runs_on_its_own_example(transform):
+    """CUDA start-up runs each row's device function on the row's example (a 128x256 BF16 weight); here on CPU
+    tensors, so a leaf whose last dimension is 1 (w4a16-asym's zero points of one group: a [16, 1] view with a
+    column stride of 16, which torch calls contiguous) is handed back as bytes without torch refusing the view."""
+    import numpy as np
+    import torch
+
+    from ckpttool.formats.outputs_stream import named
+
+    row = named(transform)
+    example = row.example(torch.device("cpu"))
+    y, bad = row.cuda(example, torch.bfloat16)
+    want = row.cpu(type(example)(example.values.view(torch.int16).numpy().view(np.uint16), "BF16"), "BF16", None)
+    assert bad is None and y.shape == want.shape and np.array_equal(y.numpy().view(np.uint8), want.view(np.uint8))

@@ -44,8 +44,10 @@ def _torch_rows(c: Chunk):
 def _as_rows(t) -> np.ndarray:
     import torch
 
-    t = t.contiguous()
-    return t.view(torch.uint8).reshape(t.shape[0], -1).numpy() if t.dim() else t.reshape(1).numpy()
+    if not t.dim():
+        return t.reshape(1).numpy()
+    # flat first: a contiguous [n, 1] may keep a column stride other than 1, which a view as bytes refuses
+    return t.contiguous().reshape(-1).view(torch.uint8).reshape(t.shape[0], -1).numpy()
 
 
 def _row(target: Target, out: Output, shape: tuple[int, int] | None) -> QuantFormat:
@@ -67,7 +69,8 @@ def _row(target: Target, out: Output, shape: tuple[int, int] | None) -> QuantFor
     def example(dev) -> Chunk:
         import torch
 
-        return Chunk(torch.zeros(128, 128, dtype=torch.bfloat16, device=dev), "BF16")
+        # 256 columns: every target's group divides them
+        return Chunk(torch.zeros(128, 256, dtype=torch.bfloat16, device=dev), "BF16")
 
     def span(r0: int, r1: int, s: tuple) -> tuple[int, int, int]:
         return (0, 0, min(1, s[0])) if shape is not None or out.stat else (0, r0 * k, min(r1 * k, s[0]))
