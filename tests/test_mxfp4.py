@@ -23,7 +23,7 @@ from ckpttool.families.gpt_oss.spec import GptOssConfig, dequant_expert_weight, 
 from ckpttool.families.gpt_oss.demo import build_gpt_oss_checkpoint, random_mxfp4
 from ckpttool.errors import InputError
 from ckpttool.io.checkpoint import Checkpoint
-from ckpttool.kernels import mxfp4, mxfp4_cpu
+from ckpttool.kernels import mxfp4_cpu
 from ckpttool.kernels.mxfp4 import dequant_mxfp4
 
 REPO = Path(__file__).resolve().parents[1]

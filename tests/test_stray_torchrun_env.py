@@ -4,7 +4,6 @@ come gives up within the join timeout with an error naming the variables, never 
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 
