@@ -103,3 +103,23 @@ def test_sliding_window_changes_mistral_output(dense_hf):
     with torch.no_grad():
         full = model(torch.tensor([PROMPT + ids[:-1]])).logits[0, len(PROMPT) - 1:]
     assert full.argmax(-1).tolist() != ids
+
+
+@pytest.mark.parametrize("flags", [{}, {"attention_bias": True, "mlp_bias": True}])
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_each_model_types_row_names_the_tensors_transformers_builds(family, flags):
+    """families/dense/spec.TYPES says which config fields each model_type's biases and norms follow: its tensor set
+    and shapes equal transformers' own model built from the same config (llama reads both bias flags, qwen3
+    attention_bias only, qwen2 always has q/k/v biases, mistral none), with and without the flags set."""
+    import transformers
+
+    from ckpttool.families.dense.spec import DenseConfig, hf_tensor_shapes
+
+    spec = {**TINY[family], **flags}
+    cls, config_cls = getattr(transformers, spec.pop("cls")), getattr(transformers, spec.pop("config"))
+    config = config_cls(**spec)
+    with torch.device("meta"):
+        model = cls(config)
+    want = {name: tuple(t.shape) for name, t in model.state_dict().items()
+            if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    assert hf_tensor_shapes(DenseConfig.from_dict(config.to_dict())) == want

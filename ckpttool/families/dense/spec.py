@@ -16,7 +16,31 @@ from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, attention_shapes
 from ckpttool.families.keymap import LINEAR, KeyMap
 from ckpttool.errors import InputError, PlanError
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DenseType:
+    """What transformers' model of one model_type builds from its config: each bias is fixed (a bool) or follows a
+    config field (its name, absent = False); qk_norm is the per-head RMSNorm of q and k."""
+
+    qkv_bias: bool | str
+    o_bias: bool | str
+    mlp_bias: bool | str
+    qk_norm: bool
+
+
+def _reads(column: bool | str, raw: dict) -> bool:
+    """A DenseType column's value for one config.json."""
+    return bool(raw.get(column, False)) if isinstance(column, str) else column
+
+
+TYPES: dict[str, DenseType] = {
+    "llama": DenseType(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias", qk_norm=False),
+    "mistral": DenseType(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
+    "qwen2": DenseType(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
+    "qwen3": DenseType(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False, qk_norm=True),
+}
+"""One row per model_type (tests/test_dense.py checks each against transformers' model): adding one edits no other."""
+MODEL_TYPES = tuple(TYPES)
 
 _ATTN = [
     ("q_proj.weight", "wq.weight", Q_HEADS, LINEAR),
@@ -79,7 +103,7 @@ class DenseConfig:
                 raise InputError(f"model_type {model_type!r} is not a dense family ({', '.join(MODEL_TYPES)})",
                                  file=source)
             heads = int(raw["num_attention_heads"])
-            attention_bias = bool(raw.get("attention_bias", False))
+            row = TYPES[model_type]
             cfg = cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
@@ -89,11 +113,10 @@ class DenseConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
-                # qwen2 always has q/k/v biases and never an o bias; llama/qwen3 follow attention_bias
-                qkv_bias=model_type == "qwen2" or (attention_bias and model_type in ("llama", "qwen3")),
-                o_bias=attention_bias and model_type in ("llama", "qwen3"),
-                mlp_bias=bool(raw.get("mlp_bias", False)) and model_type == "llama",
-                qk_norm=model_type == "qwen3",
+                qkv_bias=_reads(row.qkv_bias, raw),
+                o_bias=_reads(row.o_bias, raw),
+                mlp_bias=_reads(row.mlp_bias, raw),
+                qk_norm=row.qk_norm,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             )
         if cfg.num_attention_heads % cfg.num_key_value_heads:
