@@ -61,14 +61,22 @@ def layout(files: int, total_workers: int | None = None, processes: int | None =
     output file, and the workers default to one per core in all; otherwise it stays one process with
     workers(). Onto that machine's disk (1.3-1.8 GB/s) four processes took 1.14-1.24x the time of one, so a
     disk gets them only when asked. A split never changes the bytes: each process writes whole files. `share`:
-    how many torchrun ranks of this node share its cores (each lays out its part alike)."""
+    how many torchrun ranks of this node share its cores (each lays out its part alike).
+
+    A process given more than CORES_PER_PROCESS cores (its count capped by the files or MAX_PROCESSES) keeps one of
+    them for its files' hash threads: on 64 cores as 2 or 4 pinned nodes (bench/nodes.sh) a worker per core let the
+    hashes lag and took 1.07-1.11x the time of a core left free, in 4 of 4 paired runs; one 64-core tree ran alike
+    either way (bench/RESULTS.md "nodes")."""
     n = max(1, cores() // share)
     if processes is None:
         processes = min(MAX_PROCESSES, n // CORES_PER_PROCESS) if n >= FORK_FROM_CORES and to_memory else 1
     processes = max(1, min(processes, files)) if can_split else 1
     if processes == 1:
         return 1, total_workers or workers(n)
-    return processes, max(1, (total_workers or min(n, MAX_WORKERS * processes)) // processes)
+    if total_workers:
+        return processes, max(1, total_workers // processes)
+    each = min(n, MAX_WORKERS * processes) // processes
+    return processes, each - 1 if each > CORES_PER_PROCESS else each
 
 
 SIZE_UNITS = "8GB and 8G are 8 x 10^9 bytes, 8GiB is 8 x 2^30 (likewise K, M, T; KiB, MiB, TiB)"

@@ -36,8 +36,11 @@ def _report(proc) -> dict:
     (4, 8, (None, None), (1, 4)),
     (8, 8, (None, None), (2, 4)),
     (16, 8, (None, None), (4, 4)),  # one per 4 cores, a worker per core in all
-    (16, 2, (None, None), (2, 8)),  # at most one process per output file
-    (64, 160, (None, None), (8, 8)),  # at most MAX_PROCESSES
+    (16, 2, (None, None), (2, 7)),  # at most one process per output file; one of its 8 cores for the hashes
+    (32, 4, (None, None), (4, 7)),  # a node of 32 cores taking 4 of mp8's files
+    (64, 8, (None, None), (8, 7)),
+    (64, 160, (None, None), (8, 7)),  # at most MAX_PROCESSES
+    (16, 2, (16, None), (2, 8)),  # --workers is taken as given
     (16, 8, (12, None), (4, 3)),  # --workers is the total
     (16, 8, (None, 1), (1, 12)),  # --processes 1: the one-process defaults
     (2, 8, (None, 2), (2, 1)),

@@ -38,7 +38,8 @@ MaxMemory = Annotated[Optional[str], typer.Option(
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", min=1,
     help=f"Parallel tensor workers, in all processes (default: in one process one per core this process may use "
-         f"up to 12, then all cores but 4, at most {defaults.MAX_WORKERS}; split over processes, one per core).")]
+         f"up to 12, then all cores but 4, at most {defaults.MAX_WORKERS}; split over processes, one per core, but "
+         f"one core of every process given more than {defaults.CORES_PER_PROCESS} left to its hash threads).")]
 Processes = Annotated[Optional[int], typer.Option(
     "--processes", min=1,
     help=f"Processes sharing the output files, each with its own Python interpreter lock (default, writing into "
