@@ -56,6 +56,8 @@ _SIGNATURES = {
     "ckpttool_fp8_scaled": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int32], _I64),
     "ckpttool_int4_lut_bf16": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, ctypes.c_int32, _P, _I64], _I64),
     "ckpttool_simd_level": ([], ctypes.c_int32),
+    "ckpttool_ct_gidx": ([_P, _I64, _I64, _I64, ctypes.c_int32, ctypes.c_int32, _P, _I64, _P, _I64, _I64, _P,
+                          ctypes.c_int32, ctypes.c_int32, _P, _I64], ctypes.c_int32),
     "ckpttool_packed_f16c_ok": ([], ctypes.c_int32),  # kernels/packed.py's computed loops, which check their arguments
     "ckpttool_packed_lanes": ([_P, _I64, _I64, ctypes.c_int32, _P, _P, ctypes.c_uint32, _I64, _P, ctypes.c_int32, _P,
                                _I64], ctypes.c_int32),
