@@ -83,7 +83,8 @@ CT_AVX2 CT_INLINE static void cols8(__m256i w0, __m256i w1, const int32_t *restr
         const __m256i q = j % per == per - 1 ? wj : _mm256_and_si256(wj, vmask); /* the top code: no mask */
         const __m256i z = _mm256_loadu_si256((const __m256i *)(zbuf + 8 * g));
         p[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, z)), _mm256_loadu_ps(sbuf + 8 * g));
-        if (f16 && kind == 1) p[j] = _mm256_cvtph_ps(_mm256_cvtps_ph(p[j], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        if (f16 && kind == 1) /* rounded to fp16 first */
+            p[j] = _mm256_cvtph_ps(_mm256_cvtps_ph(p[j], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
     if (kind == 0) {
         __m128i h[8], t[8];
@@ -129,8 +130,9 @@ CT_AVX2 CT_INLINE static void transpose32(const __m256i x[8], __m256i t[8]) {
 CT_AVX2 CT_INLINE static void gidx_rows(const uint8_t *restrict codes, int64_t code_stride, int64_t rows, int64_t cols,
                                         const int bits, uint32_t flip, const float *restrict scales, int64_t s_stride,
                                         const int32_t *restrict zeros, int64_t z_stride, int64_t groups,
-                                        const int32_t *restrict gidx, const int kind, const int f16, float *restrict sbuf,
-                                        int32_t *restrict zbuf, uint16_t *restrict out, int64_t out_stride) {
+                                        const int32_t *restrict gidx, const int kind, const int f16,
+                                        float *restrict sbuf, int32_t *restrict zbuf, uint16_t *restrict out,
+                                        int64_t out_stride) {
     const int32_t sym = 1 << (bits - 1);
     const int64_t span = 256 / bits; /* columns of 32 bytes of codes */
     const int64_t blocks = cols / span * span, whole = cols / 8 * 8;
