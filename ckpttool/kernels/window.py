@@ -9,9 +9,10 @@ out[i, j] = tables[offsets[i, g] + code[i, j]]. Codes are offset binary (q + 2^(
 them; an int8 byte is made so by `flip` = 0x80) and so are zero codes; a symmetric row's zero code is 2^(b-1). A
 tensor's scales take few distinct values, so the tables are small beside its output, and each element is one
 gather, as kernels/grouped.py's FP8 loop: bytes (8-bit codes) or nibbles (two 4-bit codes a byte, low first).
-With a group index (`gidx`, one group per column: act-order) the group of column j is gidx[j]; F16 and BF16 outputs
-of those are computed per element instead where C runs with AVX2 and F16C (`computed_gidx`, native/ct_gidx.c: eight
-rows a vector, so that a column's group is one load for eight outputs), the same bits.
+With a group index (`gidx`, one group per column: act-order) the group of column j is gidx[j]. F16 and BF16 outputs
+of those, and of every 8-bit row (whose tables, 256 or 511 words a scale, leave L1), are computed per element instead
+where C runs with AVX2 and F16C (`computed_gidx`, native/ct_gidx.c: eight rows a vector, so that a column's group is
+one load for eight outputs; contiguous groups as the index j // group), the same bits.
 
 Three forms, the same bits (tests run all three through the `cpu_kernels` fixture): C where setup.py built it
 (kernels/native/window.c), numba where numba is installed, numpy (np.take over built indices) else; and torch on
@@ -69,7 +70,9 @@ def dequant(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, zero_codes: 
         if np.isfinite(s32).all() and 0 <= zeros.min() and zeros.max() <= 15 and native.int4_lut_bf16(
                 codes, s32, zeros, group, scale_dtype == "F16", result):
             return result.view(CARRIERS[out])
-    if gidx is not None and out in ("F16", "BF16") and rows and native.library() is not None and native.simd() >= 2:
+    if (gidx is not None or (bits == 8 and -(-cols // group) == scale.shape[-1])) and out in ("F16", "BF16") and rows \
+            and native.library() is not None and native.simd() >= 2:  # 8-bit codes' tables: 256 or 511 words a scale
+        gidx = gidx if gidx is not None else (np.arange(cols, dtype=np.int32) // np.int32(group))
         s32 = np.ascontiguousarray(scale_f32(np.ascontiguousarray(scale), scale_dtype))
         zeros = None if zero_codes is None else np.ascontiguousarray(np.broadcast_to(zero_codes, s32.shape), np.int32)
         result = np.empty((rows, cols), dtype=np.uint16)
