@@ -70,7 +70,7 @@ def dequant(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, zero_codes: 
         if np.isfinite(s32).all() and 0 <= zeros.min() and zeros.max() <= 15 and native.int4_lut_bf16(
                 codes, s32, zeros, group, scale_dtype == "F16", result):
             return result.view(CARRIERS[out])
-    if (gidx is not None or (bits == 8 and -(-cols // group) == scale.shape[-1])) and out in ("F16", "BF16") and rows \
+    if (gidx is not None or (bits == 8 and cols and -(-cols // group) == scale.shape[-1])) and out in ("F16", "BF16") and rows \
             and native.library() is not None and native.simd() >= 2:  # 8-bit codes' tables: 256 or 511 words a scale
         gidx = gidx if gidx is not None else (np.arange(cols, dtype=np.int32) // np.int32(group))
         s32 = np.ascontiguousarray(scale_f32(np.ascontiguousarray(scale), scale_dtype))
