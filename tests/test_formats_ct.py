@@ -105,9 +105,12 @@ def test_integers_with_zero_points_equal_compressed_tensors(storage, bits, strat
 
 @pytest.mark.parametrize("sdt", list(SDT))
 @pytest.mark.parametrize("bits, asym", [(4, False), (4, True), (8, False), (8, True)])
-def test_act_order_group_index_equals_the_library_on_sorted_columns(bits, asym, sdt, cpu_kernels):
+def test_act_order_group_index_equals_the_library_on_sorted_columns(bits, asym, sdt, cpu_kernels, monkeypatch):
     """A g_idx per column (GPTQ act-order): compressed-tensors 0.12's arithmetic, checked against 0.20's own
-    decompress of the columns sorted by group (ct_builders.decompress)."""
+    decompress of the columns sorted by group (ct_builders.decompress); C at each SIMD level (2: computed per
+    element, native/ct_gidx.c; below it the tables)."""
+    from ckpttool.kernels import native
+
     gen = torch.Generator().manual_seed(bits)
     w = (torch.randn(48, 256, generator=gen) * torch.logspace(-3, 1, 256)).to(sdt)
     kind = "int4_asym_g32_actorder_group" if bits == 4 else "int8_g32_actorder_group"
@@ -123,7 +126,45 @@ def test_act_order_group_index_equals_the_library_on_sorted_columns(bits, asym, 
     assert not torch.equal(stored["weight_g_idx"], torch.arange(256, dtype=torch.int32) // 32)
     sides = {"scale": carrier(stored["weight_scale"]), "g_idx": stored["weight_g_idx"].numpy(),
              **({"zero": stored["weight_zero_point"].numpy()} if asym else {})}
-    same(int_row("pack", bits, "group", 32, asym, True), stored["weight_packed"].numpy(), "I32", sides, sdt, ref)
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        same(int_row("pack", bits, "group", 32, asym, True), stored["weight_packed"].numpy(), "I32", sides, sdt, ref)
+
+
+@pytest.mark.parametrize("sdt", list(SDT))
+@pytest.mark.parametrize("storage, bits, group, rows, cols", [
+    ("pack", 4, 32, 21, 288),  # two blocks of 8 rows and 5 more; 64-column blocks and 32 columns past them
+    ("pack", 8, 16, 13, 48),   # a 32-column block of bytes, then 16 columns eight at a time
+    ("int", 8, 12, 11, 60),    # a 32-column block, 24 columns eight at a time, 4 past the last eight
+    ("pack", 4, 8, 8, 8)])
+@pytest.mark.parametrize("asym", [False, True])
+def test_act_order_every_shape_equals_the_formula(storage, bits, group, rows, cols, asym, sdt, cpu_kernels,
+                                                  monkeypatch):
+    """compressed-tensors 0.12's act-order arithmetic written out in torch, (q - z) times scale[:, g_idx] in the
+    scale's dtype, on shapes past every block of the computed loop (native/ct_gidx.c: eight rows and 64 or 32
+    columns a step, then eight columns, then one at a time) and int-quantized codes; C at each SIMD level."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from ckpttool.kernels import native
+
+    gen = torch.Generator().manual_seed(rows + bits)
+    lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+    q = torch.randint(lo, hi, (rows, cols), generator=gen).to(torch.int8)
+    g_idx = (torch.arange(cols, dtype=torch.int32) // group)[torch.randperm(cols, generator=gen)]
+    scale = scales((rows, cols // group), sdt, gen)
+    zero = torch.randint(lo, hi, (rows, cols // group), generator=gen).to(torch.int8) if asym else \
+        torch.zeros(rows, cols // group, dtype=torch.int8)
+    ref = (q.to(sdt) - zero[:, g_idx.long()].to(sdt)) * scale[:, g_idx.long()]
+    sides = {"scale": carrier(scale), "g_idx": g_idx.numpy()}
+    if asym:
+        sides["zero"] = (pack_to_int32(zero, bits, packed_dim=0) if storage == "pack" else zero).numpy()
+    values = pack_to_int32(q, bits).numpy() if storage == "pack" else q.numpy()
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        same(int_row(storage, bits, "group", group, asym, True), values, "I32" if storage == "pack" else "I8", sides,
+             sdt, ref)
 
 
 def test_a_group_index_of_minus_one_reads_columns_in_order(cpu_kernels):

@@ -22,7 +22,10 @@ def bits(t: torch.Tensor) -> np.ndarray:
 
 @pytest.mark.parametrize("shape", [(1, 256, 16), (2, 5, 3), (1, 130, 9), (3, 64, 4), (1, 2048, 5), (2, 136, 2)])
 @pytest.mark.parametrize("out", sorted(TORCH))
-def test_transposed_experts_equal_transformers(shape, out, cpu_kernels):
+def test_transposed_experts_equal_transformers(shape, out, cpu_kernels, monkeypatch):
+    """C at each SIMD level (2: 16-bit outputs looked up by byte shuffles, native/mxfp4.c; below it the gather)."""
+    from ckpttool.kernels import native
+
     experts, rows, groups = shape
     gen = torch.Generator().manual_seed(rows + groups)
     blocks = torch.randint(0, 256, (experts, rows, groups, 16), dtype=torch.int32, generator=gen).to(torch.uint8)
@@ -31,9 +34,12 @@ def test_transposed_experts_equal_transformers(shape, out, cpu_kernels):
         blocks = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(1, 1, 16, 16).expand(1, 256, 16, 16)
         scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(1, 256, 1).expand(1, 256, 16)
     want = convert(blocks.contiguous(), scales.contiguous(), dtype=TORCH[out])
-    ours, ran = mxfp4_cpu.dequant_transposed(blocks.numpy(), scales.numpy(), out)
-    assert ran.lower() == cpu_kernels and ours.shape == tuple(want.shape) == (experts, groups * 32, rows)
-    assert (ours.view(np.uint8).reshape(-1) == bits(want).reshape(-1)).all()
+    for level in range(native.simd() + 1) if cpu_kernels == "c" else [None]:
+        if level is not None:
+            monkeypatch.setenv("CKPTTOOL_SIMD", str(level))
+        ours, ran = mxfp4_cpu.dequant_transposed(blocks.numpy(), scales.numpy(), out)
+        assert ran.lower() == cpu_kernels and ours.shape == tuple(want.shape) == (experts, groups * 32, rows)
+        assert (ours.view(np.uint8).reshape(-1) == bits(want).reshape(-1)).all(), level
 
 
 def test_the_row_writes_into_the_executors_buffer(cpu_kernels):

@@ -41,6 +41,7 @@ _SIGNATURES = {
     "ckpttool_distinct16": ([_P, _I64, _P, _P, _P], _I64),
     "ckpttool_f16_tables": ([_P, _I64, _P, _I64, _P, ctypes.c_int32, ctypes.c_int32], None),
     **{f"ckpttool_mxfp4_transposed_{t}": ([_P, _P, _P, _P, _I64, _I64, _I64], None) for t in ("u16", "u32")},
+    "ckpttool_mxfp4_transposed_u16_lut": ([_P, _P, _P, _P, _I64, _I64, _I64], ctypes.c_int32),
     **{f"ckpttool_nvfp4_{t}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64], None) for t in ("u32", "u64")},
     **{f"ckpttool_grouped_{t}_{w}": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None)
        for t in ("u16", "u32", "u64") for w in ("u8", "i32")},
@@ -56,6 +57,8 @@ _SIGNATURES = {
     "ckpttool_fp8_scaled": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, ctypes.c_int32], _I64),
     "ckpttool_int4_lut_bf16": ([_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, ctypes.c_int32, _P, _I64], _I64),
     "ckpttool_simd_level": ([], ctypes.c_int32),
+    "ckpttool_ct_gidx": ([_P, _I64, _I64, _I64, ctypes.c_int32, ctypes.c_int32, _P, _I64, _P, _I64, _I64, _P,
+                          ctypes.c_int32, ctypes.c_int32, _P, _I64], ctypes.c_int32),
     "ckpttool_packed_f16c_ok": ([], ctypes.c_int32),  # kernels/packed.py's computed loops, which check their arguments
     "ckpttool_packed_lanes": ([_P, _I64, _I64, ctypes.c_int32, _P, _P, ctypes.c_uint32, _I64, _P, ctypes.c_int32, _P,
                                _I64], ctypes.c_int32),
@@ -160,8 +163,10 @@ def mxfp4_transposed(blocks: np.ndarray, scales: np.ndarray, table: np.ndarray, 
                             (out, half, (experts, groups * 32, rows))):
         if half is None or a.dtype != dtype or a.shape != shape or not a.flags.c_contiguous:
             raise ValueError(f"mxfp4_transposed: a contiguous {dtype} {shape}, not {a.dtype} {a.shape}")
-    getattr(_load(), f"ckpttool_mxfp4_transposed_{_SUFFIX[np.dtype(half)]}")(
-        blocks.ctypes.data, scales.ctypes.data, table.ctypes.data, out.ctypes.data, experts, rows, groups)
+    args = (blocks.ctypes.data, scales.ctypes.data, table.ctypes.data, out.ctypes.data, experts, rows, groups)
+    if half is np.uint16 and simd() >= 2 and _load().ckpttool_mxfp4_transposed_u16_lut(*args) == 0:
+        return  # 16-bit outputs by byte shuffles (AVX2), the same bits
+    getattr(_load(), f"ckpttool_mxfp4_transposed_{_SUFFIX[np.dtype(half)]}")(*args)
 
 
 # -- scaled_numba.Kernels in C: the same signatures, so kernels/scaled_cpu.py and nvfp4_cpu.py call either --

@@ -9,7 +9,10 @@ out[i, j] = tables[offsets[i, g] + code[i, j]]. Codes are offset binary (q + 2^(
 them; an int8 byte is made so by `flip` = 0x80) and so are zero codes; a symmetric row's zero code is 2^(b-1). A
 tensor's scales take few distinct values, so the tables are small beside its output, and each element is one
 gather, as kernels/grouped.py's FP8 loop: bytes (8-bit codes) or nibbles (two 4-bit codes a byte, low first).
-With a group index (`gidx`, one group per column: act-order) the group of column j is gidx[j].
+With a group index (`gidx`, one group per column: act-order) the group of column j is gidx[j]. F16 and BF16 outputs
+of those, and of every 8-bit row (whose tables, 256 or 511 words a scale, leave L1), are computed per element instead
+where C runs with AVX2 and F16C (`computed_gidx`, native/ct_gidx.c: eight rows a vector, so that a column's group is
+one load for eight outputs; contiguous groups as the index j // group), the same bits.
 
 Three forms, the same bits (tests run all three through the `cpu_kernels` fixture): C where setup.py built it
 (kernels/native/window.c), numba where numba is installed, numpy (np.take over built indices) else; and torch on
@@ -67,6 +70,15 @@ def dequant(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, zero_codes: 
         if np.isfinite(s32).all() and 0 <= zeros.min() and zeros.max() <= 15 and native.int4_lut_bf16(
                 codes, s32, zeros, group, scale_dtype == "F16", result):
             return result.view(CARRIERS[out])
+    if (gidx is not None or (bits == 8 and cols and -(-cols // group) == scale.shape[-1])) and out in ("F16", "BF16") and rows \
+            and native.library() is not None and native.simd() >= 2:  # 8-bit codes' tables: 256 or 511 words a scale
+        gidx = gidx if gidx is not None else (np.arange(cols, dtype=np.int32) // np.int32(group))
+        s32 = np.ascontiguousarray(scale_f32(np.ascontiguousarray(scale), scale_dtype))
+        zeros = None if zero_codes is None else np.ascontiguousarray(np.broadcast_to(zero_codes, s32.shape), np.int32)
+        result = np.empty((rows, cols), dtype=np.uint16)
+        if np.isfinite(s32).all() and computed_gidx(codes, bits, flip, s32, zeros, gidx, out, scale_dtype == "F16",
+                                                    result):
+            return result.view(CARRIERS[out])
     values, which = distinct(np.ascontiguousarray(scale))
     s32 = scale_f32(values, scale_dtype)
     which = np.ascontiguousarray(np.broadcast_to(which, (rows, which.shape[-1])))
@@ -84,6 +96,31 @@ def dequant(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, zero_codes: 
         result = np.empty((rows, cols), dtype=table.dtype)
     gather(codes, offs, table, result, group=group, nibbles=bits == 4, flip=flip, gidx=gidx)
     return result.view(CARRIERS[out])
+
+
+def computed_gidx(codes: np.ndarray, bits: int, flip: int, scales: np.ndarray, zeros: np.ndarray | None,
+                  gidx: np.ndarray, out: str, f16: bool, result: np.ndarray) -> bool:
+    """An act-order row computed per element in C (native/ct_gidx.c), F16 or BF16 out: uint8 codes [rows, width],
+    float32 scales and int32 zero codes (or None) [rows or 1, groups], gidx int32 [cols] -> uint16 `result` [rows,
+    cols], the bits of the tables. False where the CPU lacks AVX2 and F16C (nothing written)."""
+    rows, cols = result.shape
+    groups = scales.shape[-1]
+    for a, dtype in ((scales, np.float32), (zeros, np.int32)):
+        if a is not None and (a.dtype != dtype or a.ndim != 2 or a.shape[0] not in (1, rows) or a.shape[1] != groups
+                              or not a.flags.c_contiguous):
+            raise ValueError(f"computed_gidx: {a.dtype} {a.shape}, expected {np.dtype(dtype)} [{rows} or 1, {groups}]")
+    if codes.dtype != np.uint8 or codes.shape != (rows, cols // 2 if bits == 4 else cols) or codes.strides[1] != 1 \
+            or (bits == 4 and (flip or cols % 2)) or bits not in (4, 8) or flip not in (0, 0x80) \
+            or result.dtype != np.uint16 or result.strides[1] != 2 or out not in ("F16", "BF16"):
+        raise ValueError(f"computed_gidx: codes {codes.dtype} {codes.shape}, bits {bits}, flip {flip}, {out} out")
+    gidx = np.ascontiguousarray(gidx, dtype=np.int32)
+    if gidx.shape != (cols,) or (cols and not 0 <= int(gidx.min()) <= int(gidx.max()) < groups):
+        raise ValueError(f"computed_gidx: group indices {gidx.shape} outside [0, {groups})")
+    return native.library().ckpttool_ct_gidx(
+        codes.ctypes.data, codes.strides[0], rows, cols, bits, flip, scales.ctypes.data,
+        scales.shape[1] if scales.shape[0] > 1 else 0, None if zeros is None else zeros.ctypes.data,
+        zeros.shape[1] if zeros is not None and zeros.shape[0] > 1 else 0, groups, gidx.ctypes.data,
+        int(out == "BF16"), int(f16), result.ctypes.data, result.strides[0] // 2) == 0
 
 
 def gather(codes: np.ndarray, offs: np.ndarray, table: np.ndarray, out: np.ndarray, *, group: int, nibbles: bool,

@@ -127,3 +127,66 @@ static void transpose_u32(const uint32_t *restrict tile, int64_t tc, int64_t nr,
 
 TRANSPOSED(ckpttool_mxfp4_transposed_u16, uint16_t, uint32_t, 4, transpose_u16)
 TRANSPOSED(ckpttool_mxfp4_transposed_u32, uint32_t, uint64_t, 2, transpose_u32)
+
+/* 16-bit outputs with AVX2: a group's 32 elements looked up, not gathered. An MXFP4 group (one scale) has 16 possible
+ * outputs, so its two bytes each are two 16-byte tables (low and high bytes of the pair table's entries with a zero
+ * high nibble, made once per call for all 256 scales: 8 KiB, in L1), and the group's 32 nibbles index them by
+ * PSHUFB, 32 elements in a dozen instructions where the gather took 16 table loads and 16 stores (the table of 256
+ * KiB lives in L2); the tiles and their transpose as above. Returns -2 (nothing written) where the CPU lacks AVX2. */
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+__attribute__((target("avx2"))) static void lut_group(const uint8_t *restrict b, const uint8_t *restrict lo,
+                                                      const uint8_t *restrict hi, uint16_t *restrict t) {
+    const __m128i m = _mm_set1_epi8(15), c = _mm_loadu_si128((const __m128i *)b);
+    const __m128i ln = _mm_and_si128(c, m), hn = _mm_and_si128(_mm_srli_epi16(c, 4), m);
+    /* element 2k is byte k's low nibble, 2k + 1 its high one: elements 0..15 in the low lane, 16..31 the high */
+    const __m256i idx = _mm256_set_m128i(_mm_unpackhi_epi8(ln, hn), _mm_unpacklo_epi8(ln, hn));
+    const __m256i l = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lo)), idx);
+    const __m256i h = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)hi)), idx);
+    const __m256i w0 = _mm256_unpacklo_epi8(l, h), w1 = _mm256_unpackhi_epi8(l, h); /* 0..7 | 16..23, 8..15 | 24..31 */
+    _mm256_storeu_si256((__m256i *)t, _mm256_permute2x128_si256(w0, w1, 0x20));
+    _mm256_storeu_si256((__m256i *)(t + 16), _mm256_permute2x128_si256(w0, w1, 0x31));
+}
+
+__attribute__((target("avx2"))) int32_t ckpttool_mxfp4_transposed_u16_lut(
+    const uint8_t *restrict blocks, const uint8_t *restrict scales, const uint32_t *restrict table,
+    uint16_t *restrict out, int64_t experts, int64_t rows, int64_t groups) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2")) return -2;
+    enum { TG = 4 };
+    uint8_t lo[256 * 16], hi[256 * 16];
+    for (int s = 0; s < 256; s++)
+        for (int k = 0; k < 16; k++) {
+            const uint32_t w = table[(s << 8) | k]; /* byte k: its low nibble's element in the low half */
+            lo[s * 16 + k] = (uint8_t)w, hi[s * 16 + k] = (uint8_t)(w >> 8);
+        }
+    uint16_t tile[TILE_R * TG * 32];
+    for (int64_t e = 0; e < experts; e++) {
+        const uint8_t *restrict be = blocks + e * rows * groups * 16;
+        const uint8_t *restrict se = scales + e * rows * groups;
+        uint16_t *restrict oe = out + e * groups * 32 * rows;
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE_R) {
+            const int64_t nr = rows - r0 < TILE_R ? rows - r0 : TILE_R;
+            for (int64_t g0 = 0; g0 < groups; g0 += TG) {
+                const int64_t ng = groups - g0 < TG ? groups - g0 : TG;
+                for (int64_t r = 0; r < nr; r++) {
+                    const uint8_t *restrict b = be + ((r0 + r) * groups + g0) * 16;
+                    const uint8_t *restrict s = se + (r0 + r) * groups + g0;
+                    for (int64_t g = 0; g < ng; g++)
+                        lut_group(b + g * 16, lo + 16 * s[g], hi + 16 * s[g], tile + r * TG * 32 + g * 32);
+                }
+                transpose_u16(tile, TG * 32, nr, ng * 32, oe + g0 * 32 * rows + r0, rows);
+            }
+        }
+    }
+    _mm_sfence();
+    return 0;
+}
+#else
+int32_t ckpttool_mxfp4_transposed_u16_lut(const uint8_t *blocks, const uint8_t *scales, const uint32_t *table,
+                                          uint16_t *out, int64_t experts, int64_t rows, int64_t groups) {
+    (void)blocks, (void)scales, (void)table, (void)out, (void)experts, (void)rows, (void)groups;
+    return -2;
+}
+#endif
