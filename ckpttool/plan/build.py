@@ -112,6 +112,8 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
         notes.append(f"quantized {quantize_stage.count_quantized(tensors)} weights to {spec.quantize}" +
                      (f", repacked {repacked} exactly" if repacked else ""))
 
+    if not spec.dequant:  # weights the layout holds unquantized (DeepSeek-V4's wo_a in its mp files)
+        tensors = out.unquantized(tensors, rules, family.keys(cfg))
     input_order = sorted(ckpt.files)
     files_of = {t.name: str(ckpt.root / t.file) for t in tensors}
     tensors = out.place(tensors, family, cfg, spec.mp, files_of, input_order if of_input(ckpt) is HF else None)
