@@ -165,12 +165,17 @@ MP_BLOCKS = {(FP8_BLOCK.companion.block,) * 2: FP8_BLOCK.companion}
 convert.py keep FP8 128x128 weights beside their scale, F32 or E8M0, per rank). The key tables' scale rows and the
 shard stage's cuts are of one block, 128x128: a weight of other blocks (V4.1's 32x32, 1x128) is dequantized or
 kept in the HF layout, never cut per rank."""
+MP_SCALE_LEAVES = (FP8_BLOCK.companion.hf_leaf, "scale")
+"""the scale leaves the families' key tables name (the companions' `weight_scale_inv`, DeepSeek-V4's `scale`); a
+scale stored under another (Mistral Large 4's `qscale_weight`) has no mp row"""
 
 
 def mp_companion(block: tuple[int, int], leaf: str) -> Companion | None:
     """How the mp layout names the scale of FP8 `block` blocks stored as `X.<leaf>`, or None where it cannot."""
     row = MP_BLOCKS.get(tuple(block))
-    return None if row is None else Companion(hf_leaf=leaf, native_leaf=row.native_leaf, block=row.block)
+    if row is None or leaf not in MP_SCALE_LEAVES:
+        return None
+    return Companion(hf_leaf=leaf, native_leaf=row.native_leaf, block=row.block)
 
 
 # -- one scale per tensor or per row ---------------------------------------------------------------------
