@@ -13,6 +13,8 @@ small table, everything else being whole on every rank:
   (`attn.compressor.*`, `attn.indexer.compressor.*`), the router (`ffn.gate.weight`, `bias`, `tid2eid`),
   the shared expert (DeepSeek's V4 model runs it whole on every rank), the hyper-connections
   (`hc_attn_*`, `hc_ffn_*`, `hc_head_*`) and the MTP projections.
+Kept in FP8 (128x128 blocks; convert.py's `--expert-dtype fp8`), a weight's `.scale` is cut with it, and `wo_a` is
+BF16 (convert.py dequantizes it; its model runs the grouped projection as a BF16 einsum): the MP_BF16 column.
 DeepSeek's convert.py keeps the MTP layers (`mtp.N.*`, without embedding or head, which V4 does not
 store); it asserts only that sizes divide. `check_mp` refuses every mp that would cut a head, an output
 group (DeepSeek's model computes `o_groups // world_size` local groups: mp 16 over V4-Flash's 8 groups
