@@ -150,3 +150,28 @@ def test_published_v4_with_mxfp4_experts_is_not_cut_without_a_repack(v4, tmp_pat
     proc = run_cli("shard", v4["src"], tmp_path / "out", "--mp", 2, check=False)
     assert proc.returncode != 0 and "MXFP4 experts (DeepSeek-V4)" in proc.stderr
     assert "--to fp8-128x128 --mp N" in proc.stderr and _published_nothing(tmp_path / "out")
+
+
+def test_verify_refuses_shards_its_config_does_not_describe(v4, tmp_path):
+    """verify reads what the shards hold from config.json: scales said to be float32 while the shards hold E8M0 are
+    named by tensor; MXFP4 experts said to be there (expert_dtype fp4) are refused naming config.json."""
+    import shutil
+
+    from ckpttool.errors import CkptError
+
+    run_cli("quantize", v4["src"], tmp_path / "mp", "--to", "fp8-block-deepseek", "--mp", 2, "--quiet")
+    for change, expect in (({"scale_fmt": "float"}, ".scale' is F8_E8M0"), ({"expert_dtype": "fp4"}, "expert_dtype")):
+        bad = tmp_path / f"bad-{next(iter(change))}"
+        shutil.copytree(tmp_path / "mp", bad)
+        config = json.loads((bad / "config.json").read_text())
+        config["quantization_config"].update(change)
+        (bad / "config.json").write_text(json.dumps(config))
+        (bad / "ckpttool-manifest.json").unlink()
+        try:
+            report = run_verify(bad, reference=v4["reference"], prompt_ids=PROMPT, max_new_tokens=2)
+        except CkptError as exc:
+            text = str(exc)
+        else:
+            assert not report.ok
+            text = report.render(bad)
+        assert expect in text, text
