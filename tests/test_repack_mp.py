@@ -175,3 +175,13 @@ def test_verify_refuses_shards_its_config_does_not_describe(v4, tmp_path):
             assert not report.ok
             text = report.render(bad)
         assert expect in text, text
+
+
+def test_v3_float_blocks_split_then_merged_with_mp_are_the_shards_of_the_original(tiny_v3, tmp_path):
+    """DeepSeek-V3's F32 128x128 scales split into 32x32 (HF only) and merged back into 128x128 with --mp: the shards
+    `shard --mp 2` makes of the original, byte for byte, config included (the repack gives back its very bytes)."""
+    run_cli("quantize", tiny_v3, tmp_path / "32", "--to", "fp8-32x32", "--quiet")
+    run_cli("quantize", tmp_path / "32", tmp_path / "mp", "--to", "fp8-128x128", "--mp", 2, "--quiet")
+    run_cli("shard", tiny_v3, tmp_path / "shard", "--mp", 2, "--quiet")
+    _same_files(tmp_path / "mp", tmp_path / "shard")
+    assert (tmp_path / "mp" / "config.json").read_text() == (tmp_path / "shard" / "config.json").read_text()
