@@ -29,9 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from ckpttool.formats.fp8 import mp_companion
 from ckpttool.kernels import quant_ct, quant_native
 from ckpttool.kernels.fp8 import BLOCK, quantize_fp8_block, scale_shape
-from ckpttool.formats.fp8 import mp_companion
 from ckpttool.kernels.quant import (INT4_GROUP_SIZES, check_finite, pack_int4, quantize_int4_grouped,
                                     quantize_int8_per_channel)
 

@@ -17,8 +17,8 @@ from ckpttool.families.deepseek_v4.spec import hf_tensor_shapes, is_mtp_tensor, 
 from ckpttool.errors import InputError
 from ckpttool.formats import declares_fp8_block
 from ckpttool.io.checkpoint import Checkpoint, read_config
-from ckpttool.kernels.fp8 import BLOCK
 from ckpttool.io.safetensors import TensorInfo
+from ckpttool.kernels.fp8 import BLOCK
 from ckpttool.model.loading import MAX_LISTED, check_tensors, load_mp_shard, reference_differences
 from ckpttool.model.parallel import Linear, ParallelContext
 
