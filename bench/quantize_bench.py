@@ -9,7 +9,8 @@ such call per worker), timed by that thread's CPU time (time.thread_time: what t
 does not inflate), formats interleaved in --reps rounds so the load hits them alike, the median per format.
 `vs_fp8_block_deepseek` is each format's rate per output byte over FP8 block's in the same run. The formats with C
 loops (kernels/native/quant.c) run once more with CKPTTOOL_NATIVE=0, as "FORMAT (torch)": the loops' gain in the
-same run. Prints one JSON object.
+same run. The repack is timed as one call of its loop and as the executor runs it (the codes row and the scale row,
+each over the whole weight). Prints one JSON object.
 
     python bench/quantize_bench.py [--rows 2048 --cols 2048] [--reps 5]
 """
@@ -84,6 +85,22 @@ def _repack_runner(rows: int, cols: int):
     return run, rows * cols + (-(-rows // 128)) * (-(-cols // 128))
 
 
+def _repack_rows_runner(rows: int, cols: int):
+    """The repack as the executor runs it: the codes row and the scale row (formats/repack.py), each a task of its
+    own over the whole weight (the scale row checks every value to name a refused block by its place)."""
+    rng = np.random.default_rng(0)
+    packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8).view(np.int8)
+    e8m0 = rng.integers(118, 126, (rows, cols // 32), dtype=np.uint8)
+    codes = BY_NAME["repack:codes:128x128:mxfp4_experts:scale"]
+    scale = BY_NAME["repack:scale:128x128:mxfp4_experts:scale@bench"]
+
+    def run():
+        chunk = Chunk(packed, "I8", {"scale": e8m0}, {"scale": "U8"})
+        codes.cpu(chunk, "F8_E4M3", None)
+        scale.cpu(chunk, "U8", None)
+    return run, rows * cols + (-(-rows // 128)) * (-(-cols // 128))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=2048)
@@ -98,6 +115,7 @@ def main() -> None:
     jobs["repack mxfp4 -> fp8 128x128"] = _repack_runner(args.rows, args.cols)
     repack_run, nbytes = _repack_runner(args.rows, args.cols)
     jobs["repack mxfp4 -> fp8 128x128 (numpy)"] = (lambda r=repack_run: _without_c(r)), nbytes
+    jobs["repack rows (codes + scale) mxfp4 -> fp8 128x128"] = _repack_rows_runner(args.rows, args.cols)
     times: dict[str, list[float]] = {k: [] for k in jobs}
     for _ in range(args.reps):
         for k, (run, _) in jobs.items():

@@ -173,11 +173,15 @@ PROVEN: tuple[Proven, ...] = (
            "layers, hyper-connections; verify skips the MTP layer (said so). Refused with the reason: "
            "`deepseek_v41` (V4.1-Flash), DSpark stages (V4-Flash-0731). The published form dequantizes bit-equal "
            "to transformers' own dequant and converts to the BF16 shards its BF16 form gives (verified at mp 2 and "
-           "4); `shard` keeping FP8 / MXFP4 in mp files is refused (they are dequantized, not yet cut per rank)",
+           "4); `quantize --to fp8-block-deepseek --mp N` repacks its MXFP4 experts into FP8 128x128 and cuts it "
+           "per rank in one pass, as DeepSeek's convert.py `--expert-dtype fp8` lays it out (`wo_a` BF16), verified "
+           "at mp 2 and 4; MXFP4 experts and 32x32 blocks are not cut per rank (refused by name)",
            ("test_deepseek_v4.py::test_shard_then_verify_gives_transformers_greedy_tokens",
             "test_deepseek_v4.py::test_shard_then_merge_is_byte_identical",
             "test_deepseek_v4.py::test_dequant_keeps_names_and_mtp_and_transformers_loads_it",
-            "test_deepseek_v4_fp8.py::test_convert_from_the_published_form_verifies_against_transformers")),
+            "test_deepseek_v4_fp8.py::test_convert_from_the_published_form_verifies_against_transformers",
+            "test_repack_mp.py::test_v4_repacked_and_sharded_in_one_pass_is_shard_of_the_repack_and_verifies",
+            "test_repack_mp.py::test_published_v4_with_mxfp4_experts_is_not_cut_without_a_repack")),
     Proven("MiniMax-M2 (`minimax_m2`)", ("minimax_m2",), "yes", "1, 2", "byte for byte", "mp 1, 2",
            "q/k norm over all heads (mp must divide the KV heads), sigmoid routing with correction bias, "
            "`rotary_dim`",

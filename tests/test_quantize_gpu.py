@@ -88,3 +88,27 @@ def test_gpt_oss_repack_and_its_readback_on_cuda_write_the_cpu_bytes(tmp_path):
                   ExecOptions(quiet=True, device="cuda", wait_for_cuda=True))
     assert _counts(gpu).get("chunks_on_gpu", 0) > 0, _counts(gpu)
     _same_files(tmp_path / "bf16-cpu", tmp_path / "bf16-gpu")
+
+
+def test_sharded_v4_repack_on_cuda_writes_the_cpu_bytes_and_verifies(tmp_path):
+    """`quantize --to fp8-block-deepseek --mp 2` on CUDA: the repack rows (host kernels) and wo_a's E8M0 128x128
+    dequant into BF16 (formats/fp8.py's block row on the GPU) give the CPU's shards; verify on CUDA loads those FP8
+    shards (E8M0 scales dequantized by the Triton kernel) and agrees with transformers."""
+    from deepseek_v4_models import PROMPT, build
+    from test_deepseek_v4_fp8 import WIDE, published_form
+
+    from ckpttool.verify.run import run_verify
+
+    bf16 = build(tmp_path / "bf16", spelling="deepseek", mtp=True, **WIDE)
+    src = tmp_path / "fp8"
+    published_form(bf16, src, 128)
+    spec = Spec(quantize="fp8-block-deepseek", mp=2)
+    convert(src, tmp_path / "cpu", spec, ExecOptions(quiet=True, device="cpu"))
+    gpu = convert(src, tmp_path / "gpu", spec, ExecOptions(quiet=True, device="cuda", chunk_bytes=2048,
+                                                          wait_for_cuda=True))
+    assert _counts(gpu).get("chunks_on_gpu", 0) > 0, _counts(gpu)
+    _same_files(tmp_path / "cpu", tmp_path / "gpu")
+    convert(src, tmp_path / "reference", Spec(dequant=True), ExecOptions(quiet=True, device="cpu"))
+    report = run_verify(tmp_path / "gpu", reference=tmp_path / "reference", prompt_ids=PROMPT, max_new_tokens=6,
+                        device="cuda")
+    assert report.ok and "greedy ids agree" in report.render(tmp_path / "gpu")

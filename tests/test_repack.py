@@ -379,3 +379,34 @@ def test_c_loop_gives_numpys_codes_exponents_and_first_refusal(block, monkeypatc
         e8m0[150, 3], e8m0[150, 4], packed[150, 48:64] = 140, 100, 0x77  # 40 binades apart in one block
         c, n = both(packed, e8m0)
         assert c == n and isinstance(c[0], tuple) and c[0][0] <= 150 // block[0], (c, n)  # refused alike
+
+
+def test_c_loop_equals_numpy_over_the_whole_e8m0_range(monkeypatch):
+    """The C loop decodes each block row once and multiplies by 2**-exponent: over random shapes (rows not a
+    multiple of the block, odd blocks), exponents anywhere in E8M0's range (subnormal values, overflowing ones),
+    the same codes and exponents as numpy, or the same first refusal."""
+    from ckpttool.kernels.native import library
+
+    if library() is None:
+        pytest.skip("the C library is not built here (setup.py)")
+    refused = 0
+    for seed in range(24):
+        rng = np.random.default_rng(seed)
+        rows, cols = int(rng.integers(1, 300)), 32 * int(rng.integers(1, 12))
+        lo = int(rng.integers(0, 250))
+        packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+        e8m0 = rng.integers(lo, min(255, lo + int(rng.integers(1, 20))), (rows, cols // 32), dtype=np.uint8)
+        for block in [(128, 128), (1, 128), (32, 32), (7, 64)]:
+            out = []
+            for native in ("1", "0"):
+                monkeypatch.setenv("CKPTTOOL_NATIVE", native)
+                try:
+                    out.append(repack.mxfp4_to_fp8(packed, e8m0, block))
+                except repack.Inexact as exc:
+                    out.append((exc.block, exc.value, exc.scale_exp))
+            if isinstance(out[0][0], np.ndarray):
+                assert np.array_equal(out[0][0], out[1][0]) and np.array_equal(out[0][1], out[1][1]), (seed, block)
+            else:
+                assert out[0] == out[1], (seed, block)
+                refused += 1
+    assert 0 < refused < 24 * 4  # both outcomes exercised

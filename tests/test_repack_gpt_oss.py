@@ -89,11 +89,9 @@ def test_other_targets_refuse_gpt_oss_mxfp4_by_name(gpt_oss, tmp_path):
     assert proc.returncode != 0 and "do not repack exactly into w4a16" in proc.stderr, proc.stderr
 
 
-def test_mp_is_refused_by_name_and_the_output_shards_once_dequantized(gpt_oss, tmp_path):
-    """The stacked FP8 experts are not cut per rank (their blocks straddle the ranks' column ranges): --mp is refused
-    naming the format; dequantized, the repacked checkpoint shards like the source."""
-    proc = run_cli("quantize", gpt_oss, tmp_path / "mp", "--to", "fp8-block-deepseek", "--mp", 2, check=False)
-    assert proc.returncode != 0 and "stacked experts" in proc.stderr and "can only be dequantized" in proc.stderr
+def test_the_repacked_output_shards_once_dequantized(gpt_oss, tmp_path):
+    """The stacked FP8 experts are not cut per rank (test below); dequantized, the repacked checkpoint shards like
+    the source."""
     run_cli("quantize", gpt_oss, tmp_path / "fp8", "--to", "fp8-block-deepseek", "--quiet")
     run_cli("convert", gpt_oss, tmp_path / "a", "--mp", 2, "--quiet")
     run_cli("convert", tmp_path / "fp8", tmp_path / "b", "--mp", 2, "--quiet")
@@ -101,3 +99,18 @@ def test_mp_is_refused_by_name_and_the_output_shards_once_dequantized(gpt_oss, t
     assert len(shards) == 2 and shards == sorted(p.name for p in (tmp_path / "b").glob("*.safetensors"))
     for f in shards:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+@pytest.mark.parametrize("to", ["fp8-block-deepseek", "fp8-128x128"])
+def test_repack_with_mp_is_refused_by_name_with_the_reason(gpt_oss, to, tmp_path):
+    """gpt-oss's mp layout and verify's gpt-oss model hold MXFP4 or BF16 experts, not stacked FP8 ones: a repack
+    with --mp is refused naming a tensor and why, before anything is written; the repacked HF checkpoint is not cut
+    either (its stacked FP8 experts are named)."""
+    proc = run_cli("quantize", gpt_oss, tmp_path / "out", "--to", to, "--mp", 2, check=False)
+    assert proc.returncode != 0 and "not cut per rank" in proc.stderr and "stacked FP8 experts" in proc.stderr
+    assert "mlp.experts." in proc.stderr and "_blocks" in proc.stderr
+    assert not (tmp_path / "out").exists() or not any(p.suffix == ".safetensors" for p in (tmp_path / "out").iterdir())
+    run_cli("quantize", gpt_oss, tmp_path / "hf", "--to", to, "--quiet")
+    proc = run_cli("shard", tmp_path / "hf", tmp_path / "mp", "--mp", 2, check=False)
+    assert proc.returncode != 0 and "stacked experts" in proc.stderr and "mlp.experts." in proc.stderr
+    assert not (tmp_path / "mp").exists() or not any(p.suffix == ".safetensors" for p in (tmp_path / "mp").iterdir())

@@ -32,8 +32,9 @@ ToOpt = Annotated[str, typer.Option(
     "--to", help="Output format: " + ", ".join(FORMATS) + " (README \"Output formats\" says what each writes).")]
 GroupOpt = Annotated[int, typer.Option("--group-size", help="int4 (gpt-fast) only: 32, 64, 128 or 256.")]
 MpOpt = Annotated[Optional[int], typer.Option(
-    "--mp", min=1, help="Also shard into model{i}-mp{N} files (fp8-block-deepseek from BF16 only; the others are "
-                        "refused by name).")]
+    "--mp", min=1, help="Also shard into model{i}-mp{N} files: fp8-block-deepseek (from BF16, or an exact repack "
+                        "into 128x128 blocks: DeepSeek-V4 as DeepSeek's V4 model loads it) and fp8-128x128; the "
+                        "others, and gpt-oss's FP8 experts, are refused by name.")]
 
 
 def quantize(src: Src, dst: Dst, to: ToOpt, group_size: GroupOpt = 128, mp: MpOpt = None, keep_mtp: KeepMtp = None,
@@ -53,6 +54,9 @@ def quantize(src: Src, dst: Dst, to: ToOpt, group_size: GroupOpt = 128, mp: MpOp
     hold is refused by name): MXFP4 experts (DeepSeek-V4, gpt-oss) into FP8 blocks with fp8-block-deepseek, fp8-32x32,
     fp8-128x128 or fp8-1x128; FP8 blocks of one size into another with the same; ModelOpt NVFP4 into
     compressed-tensors' with nvfp4a16, and back with modelopt-nvfp4.
+
+    With --mp N, a repack into FP8 128x128 blocks is cut per rank in the same pass (the shards `shard --mp N` makes
+    of its HF output): ckpttool quantize ./DeepSeek-V4-Flash ./V4-fp8-mp8 --to fp8-block-deepseek --mp 8
 
     Example: ckpttool quantize ./Qwen3-8B ./Qwen3-8B-w4a16 --to w4a16
     """

@@ -9,6 +9,9 @@ Two columns beyond the names:
   heads: the only rows that share an HF template) or None (replicated).
 - `LINEAR`: the row is a linear projection weight: what published FP8 checkpoints quantize and what
   the quantize stage quantizes (never embeddings, norms, biases, routers or heads).
+- a fifth column, a dtype (`MP_BF16`): the mp layout holds this weight dequantized where the checkpoint stores
+  it quantized, as the family's reference convert.py writes it (DeepSeek-V4's `wo_a`, which its model runs in
+  BF16); the HF layout keeps it as stored.
 
 Every `*.weight` row implies one row per scale companion of the format table (formats.COMPANIONS:
 `X.weight_scale_inv` <-> `Y.scale`), with the weight's split; `Mapped.companion` says which. A table whose
@@ -35,6 +38,8 @@ LINEAR = True
 RANK0 = "rank 0"
 """split of a part a table passes through (a multimodal wrapper's vision tower and projector): whole, on
 rank 0 only, under its HF name"""
+MP_BF16 = "BF16"
+"""fifth column of a key-table row: the mp layout holds the weight in BF16 (see the module docstring)"""
 EXPERT = "expert"
 """split of a routed expert's tensors: whole, on the rank that owns the expert's contiguous range"""
 
@@ -72,6 +77,9 @@ class KeyRow:
     native: str
     split: object  # int dim, EXPERT, families.base.HeadSplit, or None
     linear: bool = False
+    mp_dtype: str | None = None
+    """the dtype the mp layout holds the weight in where its checkpoint stores it quantized (dequantized as the
+    layout is written), None: as stored (DeepSeek-V4's wo_a, which its model computes in BF16)"""
     companion: Companion | None = None
     weight: "KeyRow | None" = None  # for a companion row: the weight's row
 
@@ -175,6 +183,11 @@ class KeyMap:
         row = self._by_hf.get(_shape_key(hf_name))
         return row is not None and row.linear
 
+    def mp_dtype(self, hf_name: str) -> str | None:
+        """The dtype the mp layout holds this quantized weight in (the row's fifth column), or None: as stored."""
+        row = self._by_hf.get(_shape_key(hf_name))
+        return None if row is None else row.mp_dtype
+
     def passes_through(self, name: str) -> bool:
         """A name under one of the `passthrough` prefixes: carried unchanged, whole, on rank 0."""
         return any(name.startswith(p) for p in self.passthrough)
@@ -183,7 +196,7 @@ class KeyMap:
         """This table with every HF template renamed by `hf_name` (str -> str: a wrapper's prefix on its text
         tower; the native side is unchanged; a row it renames to None is left out), its aliases renamed alike, the same scale leaf, and `passthrough`
         prefixes of its own."""
-        rows = [(hf, r.native, r.split, r.linear) for r in self.rows
+        rows = [(hf, r.native, r.split, r.linear, r.mp_dtype) for r in self.rows
                 if r.companion is None and (hf := hf_name(r.hf)) is not None]
         aliases = tuple((a, h) for a, h in ((hf_name(a), hf_name(h)) for a, h in self._alias_pairs)
                         if a is not None and h is not None)

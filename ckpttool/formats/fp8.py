@@ -29,7 +29,7 @@ import numpy as np
 from ckpttool.errors import InputError
 from ckpttool.formats.blocks import FP8_BLOCK, mxfp4_experts_row
 from ckpttool.formats.resolve import Rule
-from ckpttool.formats.row import DROPPED, WHOLE, Chunk, Name, QuantFormat, Side
+from ckpttool.formats.row import DROPPED, WHOLE, Chunk, Companion, Name, QuantFormat, Side
 from ckpttool.kernels import grouped, scaled_cpu
 from ckpttool.kernels.fp8 import FP8_DTYPES
 from ckpttool.kernels.fp8_cpu import NAN_ABOVE, NaNCodes, dequant_scaled, fp8_values, value_tables
@@ -148,6 +148,7 @@ def block_row(b0: int, b1: int, scale_fmt: str, leaf: str) -> QuantFormat:
         return Chunk(torch.zeros(b0, b1, dtype=torch.float8_e4m3fn, device=dev), "F8_E4M3",
                      {"scale": torch.ones(1, 1, device=dev)}, {"scale": "F32"})
 
+    companion = mp_companion(block, leaf)
     return QuantFormat(
         name=f"fp8_block:{b0}x{b1}:{scale_fmt}:{leaf}",
         title=f"FP8 {b0}x{b1} blocks" + (" (E8M0 scales)" if scale_fmt == "ue8m0" else ""),
@@ -156,7 +157,25 @@ def block_row(b0: int, b1: int, scale_fmt: str, leaf: str) -> QuantFormat:
                     rows=lambda r0, r1: (r0 // b0, -(-r1 // b0)), encoding="e8m0", positive=True),
                *_dropped("activation_scale")),
         check=_block_check(block), out_shape=lambda s: s, row_align=b0, cpu=_block_cpu(block), cpu_into=True,
-        cuda=_block_cuda(block), example=example, keepable=False)
+        cuda=_block_cuda(block), example=example, keepable=companion is not None, companion=companion)
+
+
+MP_BLOCKS = {(FP8_BLOCK.companion.block,) * 2: FP8_BLOCK.companion}
+"""block -> the mp layout's companion of such a block's scale: `X.<leaf>` <-> `Y.scale` (DeepSeek's model and its
+convert.py keep FP8 128x128 weights beside their scale, F32 or E8M0, per rank). The key tables' scale rows and the
+shard stage's cuts are of one block, 128x128: a weight of other blocks (V4.1's 32x32, 1x128) is dequantized or
+kept in the HF layout, never cut per rank."""
+MP_SCALE_LEAVES = (FP8_BLOCK.companion.hf_leaf, "scale")
+"""the scale leaves the families' key tables name (the companions' `weight_scale_inv`, DeepSeek-V4's `scale`); a
+scale stored under another (Mistral Large 4's `qscale_weight`) has no mp row"""
+
+
+def mp_companion(block: tuple[int, int], leaf: str) -> Companion | None:
+    """How the mp layout names the scale of FP8 `block` blocks stored as `X.<leaf>`, or None where it cannot."""
+    row = MP_BLOCKS.get(tuple(block))
+    if row is None or leaf not in MP_SCALE_LEAVES:
+        return None
+    return Companion(hf_leaf=leaf, native_leaf=row.native_leaf, block=row.block)
 
 
 # -- one scale per tensor or per row ---------------------------------------------------------------------

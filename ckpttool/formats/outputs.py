@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from ckpttool.formats.fp8 import mp_companion
 from ckpttool.kernels import quant_ct, quant_native
 from ckpttool.kernels.fp8 import BLOCK, quantize_fp8_block, scale_shape
 from ckpttool.kernels.quant import (INT4_GROUP_SIZES, check_finite, pack_int4, quantize_int4_grouped,
@@ -307,8 +308,10 @@ def _repack_target(b0: int, b1: int) -> Target:
         raise ValueError(refuses(0, 0))
 
     return Target(name=f"fp8-{b0}x{b1}", title=f"FP8 {b0}x{b1} blocks, repacked exactly", outputs=(),
-                  compute=compute, refuses=refuses, config=_deepseek_config, mp=False,
-                  mp_refusal="E8M0 block scales are not cut per rank", repacks_to_fp8_blocks=True,
+                  compute=compute, refuses=refuses, config=_deepseek_config,
+                  mp=mp_companion((b0, b1), "scale") is not None,
+                  mp_refusal=f"the mp layout cuts FP8 weights of 128x128 blocks per rank (DeepSeek's), not {b0}x{b1}",
+                  repacks_to_fp8_blocks=True,
                   repack_block=(b0, b1), repack_only=True,
                   library="transformers' FP8 blocks (`weight_block_size`), DeepSeek-V4 and V4.1")
 

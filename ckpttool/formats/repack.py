@@ -64,6 +64,9 @@ class Source:
     config: Callable[[dict, tuple[int, int]], dict] | None = None
     """(the source's quantization_config, the block) -> the output's, where the source is not a transformers FP8
     config (whose `weight_block_size` the repack rewrites, plan/repack.py)"""
+    mp_refusal: str | None = None
+    """why the repacked weights cannot be cut per rank (`--mp`), None where the mp layout cuts them as it cuts FP8
+    blocks"""
 
     def scale_rows(self, b0: int) -> int:
         """Source rows (dim 0) a scale row covers."""
@@ -128,7 +131,10 @@ SOURCES: dict[str, Source] = {
     "mxfp4": Source(lambda args: MXFP4 if not args else None, lambda args: True, _gpt_oss, lambda args: 1,
                     stacked=True, codes_shape=lambda src, s: (s[0], s[1], s[2] * s[3] * 2),
                     names=lambda m: (m.base, m.base + EXPERTS_SCALE), scale_dtype=lambda stored: "F8_E8M0",
-                    config=_gpt_oss_config),
+                    config=_gpt_oss_config,
+                    mp_refusal="gpt-oss's mp layout and verify's gpt-oss model hold its experts as MXFP4 blocks or "
+                               "BF16, not as stacked FP8 experts (and no engine loads gpt-oss's FP8 experts: "
+                               "transformers' FP8Experts refuses their biases)"),
 }
 """the source rows a repack reads, by the kind their names begin with"""
 

@@ -77,6 +77,8 @@ def mxfp4_to_fp8(packed: np.ndarray, e8m0: np.ndarray, block: tuple[int, int]) -
     exps = np.empty((-(-rows // block[0]), -(-cols // block[1])), dtype=np.int32)
     bad = lib.ckpttool_repack_mxfp4_fp8(b.ctypes.data, s.ctypes.data, rows, cols, block[0], block[1],
                                         codes.ctypes.data, exps.ctypes.data)
+    if bad == -2:
+        raise MemoryError(f"mxfp4_to_fp8: no memory for a block row of {min(block[0], rows)} x {cols} floats")
     if bad >= 0:
         i, j = divmod(int(bad), cols)
         value = float(mxfp4_values(b[i:i + 1], s[i:i + 1])[0, j])

@@ -143,6 +143,19 @@ def _merged_tensor(hf: str, found: list[tuple[int, str]], mapped, headers: list[
     return TensorPlan(hf, dtypes.pop(), full, source=parts[0][1], parts=parts, concat_dim=concat_dim)
 
 
+def _unquantized(tensors: list[TensorPlan], rules, keys) -> list[TensorPlan]:
+    """The quantized weights the family's reference mp layout holds dequantized (the key table's mp dtype column:
+    DeepSeek-V4's wo_a, BF16 in DeepSeek's convert.py), dequantized as the dequant stage does, their scales gone."""
+    from ckpttool.plan.dequant import dequant, matches
+
+    found = {v: m for v, m in matches(tensors, rules).items() if keys.mp_dtype(m.base) is not None}
+    out = [t for t in tensors if not any(t.name in m.present() for m in found.values())]
+    for dtype in sorted({keys.mp_dtype(m.base) for m in found.values()}):
+        names = set().union(*(m.present() for m in found.values() if keys.mp_dtype(m.base) == dtype))
+        out += dequant([t for t in tensors if t.name in names], rules, dtype)[0]
+    return out
+
+
 def _place(tensors: list[TensorPlan], family, cfg, ranks: int | None, files_of: dict, input_files) -> list[TensorPlan]:
     return shard([t.with_(file=None) for t in tensors], family, cfg, ranks or 1, files_of)
 
@@ -171,7 +184,7 @@ def _listing(path: Path) -> tuple:
 MP = Layout(
     name="mp", title="model-parallel shards", per_rank=True, native_names=True, suffix=".safetensors",
     keeps_mtp=lambda family: family.mtp_in_mp,  # as the family's reference layout has them
-    place=_place, lay_out=_lay_out, index=lambda files, family: None, extras=no_extras,
+    place=_place, unquantized=_unquantized, lay_out=_lay_out, index=lambda files, family: None, extras=no_extras,
     holds=_holds, open=_open, listing=_listing,
 )
 

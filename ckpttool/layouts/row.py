@@ -42,6 +42,9 @@ class Layout:
     """(files, tensors) -> other files it writes beside the tensor files, by name (DCP's `.metadata`)"""
     quantize: tuple[str, ...] | None = None
     """the quantize stage's formats an output of this layout holds (None: all)"""
+    unquantized: Callable[..., list] = lambda tensors, rules, keys: tensors
+    """(tensors, the rules their quantized weights resolve by, the family's key table) -> the tensors with the
+    quantized weights this layout holds dequantized (the table's mp dtype column) made so; others as they are"""
 
     # -- as an input ---------------------------------------------------------------------------------
     holds: Callable[[Path], bool]

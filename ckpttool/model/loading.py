@@ -147,10 +147,13 @@ def check_tensors(params: dict[str, nn.Parameter], found: dict[str, tuple[str, T
         elif not param.dtype.is_floating_point:
             if info.dtype not in _INT_FILE_DTYPES:
                 problems.append((file_name, f"tensor {file_name!r} is {info.dtype}, the model expects integers"))
+        elif param.dtype == torch.float8_e8m0fnu and info.dtype != "F8_E8M0":
+            problems.append((file_name, f"tensor {file_name!r} is {info.dtype}, but config.json declares E8M0 "
+                                        "scales (quantization_config scale_fmt ue8m0)"))
         elif param.dtype == torch.float8_e4m3fn and info.dtype not in _FP8_FILE_DTYPES:
             problems.append((file_name, f"tensor {file_name!r} is {info.dtype}, but config.json declares FP8 "
                                         "weights (quantization_config)"))
-        elif param.dtype != torch.float8_e4m3fn and info.dtype not in _FLOAT_FILE_DTYPES:
+        elif param.dtype not in (torch.float8_e4m3fn, torch.float8_e8m0fnu) and info.dtype not in _FLOAT_FILE_DTYPES:
             problems.append((file_name, f"tensor {file_name!r} is {info.dtype}, the model expects a "
                                         "BF16/F16/F32 tensor" + (" (config.json has no quantization_config)"
                                                                  if info.dtype in _FP8_FILE_DTYPES else "")))

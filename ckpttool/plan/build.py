@@ -74,14 +74,17 @@ def make_plan(ckpt: Checkpoint, spec: Spec) -> Plan:
     planned = dequant_stage.check_scales(tensors, ckpt, rules)
     _check_against_config(tensors, family, cfg, ckpt, rules, planned)
     repacked, repacked_quant, not_copied = 0, None, ()
+    out = output_layout(spec.layout, spec.mp)
+    if not spec.dequant:  # weights the layout holds dequantized (DeepSeek-V4's wo_a in its mp files), from the input
+        tensors = out.unquantized(tensors, rules, family.keys(cfg))
     if spec.quantize is not None:  # quantized weights with an exact repack into the target take it
+        quantize_stage.check_mp(spec.quantize, spec.group_size, spec.mp)
         tensors, rules, repacked_quant, repacked, not_copied = repack_stage.repack(
-            tensors, rules, quantize_stage.target_of(spec.quantize, spec.group_size), ckpt.config, config_path)
+            tensors, rules, quantize_stage.target_of(spec.quantize, spec.group_size), ckpt.config, config_path, spec.mp)
     if not spec.dequant and not (repacked and spec.mp is None):  # a repack's HF output keeps what it does not repack
         dequant_stage.refuse_kept(tensors, rules, config_path)
     notes = [*getattr(ckpt, "notes", ())]  # how the input was read (mp ranks, a DCP's left-out state)
     notes += [f"read {stacked} stacked expert tensors as per-expert weights"] if stacked else []
-    out = output_layout(spec.layout, spec.mp)
     if passed := sum(family.keys(cfg).passes_through(t.name) for t in tensors):
         notes.append(f"{passed} tensors outside the text model (a vision tower, a projector) passed through "
                      "unchanged" + (", whole on rank 0" if out.native_names else ""))

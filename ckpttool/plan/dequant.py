@@ -10,6 +10,7 @@ import numpy as np
 
 from ckpttool.errors import InputError, PlanError
 from ckpttool.formats import Match, QuantFormat, Rule, resolve
+from ckpttool.formats.repack import repackable
 from ckpttool.formats.resolve import check_shapes, members_of, unclaimed
 from ckpttool.formats.row import AT_PLAN, AT_PLAN_BYTES
 from ckpttool.io.checkpoint import Checkpoint
@@ -146,6 +147,8 @@ def refuse_kept(tensors: list[TensorPlan], rules: Rules, source) -> None:
     """A plan that keeps quantized weights may only keep formats ckpttool can lay out again."""
     for m in matches(tensors, rules).values():
         if not m.row.keepable:
+            repack = ("; or repack them exactly into FP8 128x128 blocks, which the mp layout cuts: `ckpttool "
+                      "quantize SRC DST --to fp8-128x128 --mp N`" if repackable(m.row) else "")
             raise PlanError(f"{m.row.title} weights can only be dequantized: ckpttool does not split or re-lay "
-                            "packed groups across ranks", file=source,
-                            fix="dequantize them too (`ckpttool convert --dtype bf16`, or a dequant stage)")
+                            "packed groups across ranks", file=source, tensor=m.values,
+                            fix="dequantize them too (`ckpttool convert --dtype bf16`, or a dequant stage)" + repack)

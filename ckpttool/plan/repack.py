@@ -32,10 +32,11 @@ from ckpttool.plan.dequant import Rules, matches
 from ckpttool.plan.types import TensorPlan
 
 
-def repack(tensors: list[TensorPlan], rules: Rules, target: Target, config: dict, source
+def repack(tensors: list[TensorPlan], rules: Rules, target: Target, config: dict, source, mp: int | None = None
            ) -> tuple[list[TensorPlan], Rules, dict | None, int, tuple[str, ...]]:
     """(tensors, the rules of the output's config, that config's quantization_config or None where nothing was
-    repacked, how many weights were repacked, the input's top-level files the output must not copy)."""
+    repacked, how many weights were repacked, the input's top-level files the output must not copy). `mp`: the
+    ranks the output is cut for (a source whose repack the mp layout cannot cut is refused by name)."""
     every = matches(tensors, rules)
     nvfp4 = {v: m for v, m in every.items() if target.repacks_nvfp4_from and m.row.name == target.repacks_nvfp4_from}
     if nvfp4:
@@ -59,6 +60,11 @@ def repack(tensors: list[TensorPlan], rules: Rules, target: Target, config: dict
             raise PlanError(f"nothing to repack into {target.name}: no MXFP4 experts or FP8 blocks of another size",
                             file=source, fix="quantize a BF16 checkpoint with --to fp8-block-deepseek instead")
         return tensors, rules, None, 0, ()
+    if mp is not None and (m := next((m for m in found.values() if source_of(m.row).mp_refusal), None)):
+        raise PlanError(f"{m.row.title} weights repacked into FP8 are not cut per rank: "
+                        f"{source_of(m.row).mp_refusal}", file=source, tensor=m.values,
+                        fix=f"repack without --mp (HF layout), or shard the {m.row.title} checkpoint as it is "
+                            "(`ckpttool shard SRC DST --mp N`)")
     own = {source_of(m.row).config for m in found.values()}
     if own != {None}:  # a source whose config is not transformers' FP8 (gpt-oss's mxfp4): the row writes the output's
         if len(own) > 1:

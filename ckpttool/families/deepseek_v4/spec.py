@@ -13,6 +13,8 @@ small table, everything else being whole on every rank:
   (`attn.compressor.*`, `attn.indexer.compressor.*`), the router (`ffn.gate.weight`, `bias`, `tid2eid`),
   the shared expert (DeepSeek's V4 model runs it whole on every rank), the hyper-connections
   (`hc_attn_*`, `hc_ffn_*`, `hc_head_*`) and the MTP projections.
+Kept in FP8 (128x128 blocks; convert.py's `--expert-dtype fp8`), a weight's `.scale` is cut with it, and `wo_a` is
+BF16 (convert.py dequantizes it; its model runs the grouped projection as a BF16 einsum): the MP_BF16 column.
 DeepSeek's convert.py keeps the MTP layers (`mtp.N.*`, without embedding or head, which V4 does not
 store); it asserts only that sizes divide. `check_mp` refuses every mp that would cut a head, an output
 group (DeepSeek's model computes `o_groups // world_size` local groups: mp 16 over V4-Flash's 8 groups
@@ -32,13 +34,13 @@ from __future__ import annotations
 
 from ckpttool.errors import PlanError
 from ckpttool.families.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
-from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
+from ckpttool.families.keymap import EXPERT, LINEAR, MP_BF16, KeyMap
 
 _ATTN = [
     ("attn_norm.weight", None), ("ffn_norm.weight", None),
     *[(f"hc_{part}_{leaf}", None) for part in ("attn", "ffn") for leaf in ("fn", "base", "scale")],
     ("attn.wq_a.weight", None, LINEAR), ("attn.q_norm.weight", None), ("attn.wq_b.weight", 0, LINEAR),
-    ("attn.wkv.weight", None, LINEAR), ("attn.kv_norm.weight", None), ("attn.wo_a.weight", 0, LINEAR),
+    ("attn.wkv.weight", None, LINEAR), ("attn.kv_norm.weight", None), ("attn.wo_a.weight", 0, LINEAR, MP_BF16),
     ("attn.wo_b.weight", 1, LINEAR), ("attn.attn_sink", 0),
     *[(f"attn.{c}.{leaf}", None) for c in ("compressor", "indexer.compressor")
       for leaf in ("wkv.weight", "wgate.weight", "norm.weight", "ape")],
@@ -47,8 +49,9 @@ _ATTN = [
     *[(f"ffn.shared_experts.{w}.weight", None, LINEAR) for w in ("w1", "w2", "w3")],
     *[(f"ffn.experts.{{expert}}.{w}.weight", EXPERT, LINEAR) for w in ("w1", "w2", "w3")],
 ]
-"""(name under `layers.N.` / `mtp.N.`, split[, LINEAR]) of a decoder layer; LINEAR marks what the
-published checkpoints store in FP8 (or MXFP4, the experts), beside a `.scale`"""
+"""(name under `layers.N.` / `mtp.N.`, split[, LINEAR[, mp dtype]]) of a decoder layer; LINEAR marks what the
+published checkpoints store in FP8 (or MXFP4, the experts), beside a `.scale`; wo_a is BF16 in the mp layout
+(DeepSeek's convert.py dequantizes it: its model runs the grouped projection as a BF16 einsum)"""
 _MTP = [("enorm.weight", None), ("hnorm.weight", None), ("norm.weight", None), ("e_proj.weight", None, LINEAR),
         ("h_proj.weight", None, LINEAR), ("hc_head_fn", None), ("hc_head_base", None), ("hc_head_scale", None)]
 _GLOBAL = [("embed.weight", 0), ("head.weight", 0), ("norm.weight", None), ("hc_head_fn", None),

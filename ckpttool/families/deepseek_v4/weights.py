@@ -14,10 +14,13 @@ from ckpttool.families.base import ConfigArgs, Verifier, eos_ids, rank_slice
 from ckpttool.families.deepseek_v4.config import DeepseekV4Config
 from ckpttool.families.deepseek_v4.model import Transformer
 from ckpttool.families.deepseek_v4.spec import hf_tensor_shapes, is_mtp_tensor, key_map
+from ckpttool.errors import InputError
+from ckpttool.formats import declares_fp8_block
 from ckpttool.io.checkpoint import Checkpoint, read_config
 from ckpttool.io.safetensors import TensorInfo
+from ckpttool.kernels.fp8 import BLOCK
 from ckpttool.model.loading import MAX_LISTED, check_tensors, load_mp_shard, reference_differences
-from ckpttool.model.parallel import ParallelContext
+from ckpttool.model.parallel import Linear, ParallelContext
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,14 +29,44 @@ class V4Args(ConfigArgs):
 
     cfg: DeepseekV4Config
     eos_token_ids: tuple[int, ...]
+    fp8_scale: torch.dtype | None = None
+    """the dtype of the FP8 weights' 128x128 scales (float8_e8m0fnu under scale_fmt ue8m0), None: BF16 weights"""
 
     @classmethod
     def from_hf_config(cls, raw: dict, source: object = "config.json") -> "V4Args":
-        return cls(cfg=DeepseekV4Config.from_dict(raw, source), eos_token_ids=eos_ids(raw))
+        return cls(cfg=DeepseekV4Config.from_dict(raw, source), eos_token_ids=eos_ids(raw),
+                   fp8_scale=_fp8_scale(raw.get("quantization_config"), source))
+
+
+def _fp8_scale(quant, source) -> torch.dtype | None:
+    """What DeepSeek's V4 model loads from mp files: every linear weight but wo_a FP8 e4m3 in 128x128 blocks, the
+    routed experts too (`expert_dtype: fp8`, what `quantize --to fp8-block-deepseek --mp N` writes)."""
+    if not declares_fp8_block(quant, source):
+        return None
+    if quant.get("expert_dtype", "fp8") != "fp8":
+        raise InputError(f"verify runs FP8 routed experts, not expert_dtype {quant.get('expert_dtype')!r}",
+                         file=source, fix="repack them: ckpttool quantize SRC DST --to fp8-block-deepseek --mp N")
+    return torch.float8_e8m0fnu if quant.get("scale_fmt") == "ue8m0" else torch.float32
 
 
 def build_model(args: V4Args, ctx: ParallelContext, dtype: torch.dtype, attn_impl: str = "") -> Transformer:
-    return Transformer(args.cfg, ctx, dtype=dtype)  # one attention form: attn_impl is DeepSeek-V3's choice
+    model = Transformer(args.cfg, ctx, dtype=dtype)  # one attention form: attn_impl is DeepSeek-V3's choice
+    if args.fp8_scale is not None:
+        _as_fp8(model, key_map(args.cfg), args.fp8_scale)
+    return model
+
+
+def _as_fp8(model: Transformer, keys, scale_dtype: torch.dtype) -> None:
+    """Each Linear the key table calls a linear projection, held as stored in mp files (its mp dtype column None),
+    becomes an FP8 weight beside its block scale, as DeepSeek's model holds it; dequantized on each call."""
+    for name, module in model.named_modules():
+        mapped = keys.to_hf(f"{name}.weight") if isinstance(module, Linear) else None
+        if mapped is None or not mapped.row.linear or mapped.row.mp_dtype is not None:
+            continue
+        rows, cols = module.weight.shape
+        module.weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn), requires_grad=False)
+        module.scale = nn.Parameter(torch.empty(-(-rows // BLOCK), -(-cols // BLOCK), dtype=scale_dtype),
+                                    requires_grad=False)
 
 
 def _config(directory: Path) -> DeepseekV4Config:

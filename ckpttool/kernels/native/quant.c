@@ -13,6 +13,7 @@
  *   lowest column in the lowest bits. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -183,43 +184,65 @@ void ckpttool_quant_fp4_bf16(const uint16_t *restrict w, int64_t ldw, int64_t ro
 /* -- exact repack: MXFP4 (E2M1 codes, low nibble first, an E8M0 scale per 32 along a row) -> FP8 e4m3 codes under
  * one power-of-two scale per b0 x b1 block (kernels/repack.py's mxfp4_values, block_exponents and fp8_codes, the
  * same numbers): each block's exponent ceil(log2(amax / 448)) in double (0 for an all-zero block, within
- * [-127, 127]), each value divided by 2**exponent in float32 and written as the e4m3 code holding it exactly (a
- * -0.0 as 0x80). packed [rows, cols / 2], e8m0 [rows, cols / 32], codes [rows, cols], exps [ceil(rows / b0),
- * ceil(cols / b1)] int32, all contiguous. Returns -1, or the row-major index of the first value no e4m3 code holds
- * (codes before it are written). */
-static const float E2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-
-static inline float mxfp4_value(const uint8_t *packed, const uint8_t *e8m0, int64_t cols, int64_t i, int64_t j) {
-    const uint8_t b = packed[i * (cols / 2) + j / 2], code = (j & 1) ? (b >> 4) : (b & 0x0F);
-    const float mag = E2M1[code & 7] * ldexpf(1.0f, (int)e8m0[i * (cols / 32) + j / 32] - 127);
-    return (code & 8) ? -mag : mag;
-}
+ * [-127, 127]), each value divided by 2**exponent in float32 (a multiply by 2**-exponent: the same correctly rounded
+ * quotient, both powers of two being floats) and written as the e4m3 code holding it exactly (a -0.0 as 0x80).
+ * Each block row's values are decoded once into `buf` (b0 x cols floats), its exponents taken from them, then its
+ * codes, row-major, so the first value refused is the row-major first, as before. packed [rows, cols / 2], e8m0
+ * [rows, cols / 32], codes [rows, cols], exps [ceil(rows / b0), ceil(cols / b1)] int32, all contiguous. Returns -1,
+ * -2 where `buf` cannot be allocated, or the row-major index of the first value no e4m3 code holds (codes before it,
+ * and the exponents of its block row and those above, are written). */
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 int64_t ckpttool_repack_mxfp4_fp8(const uint8_t *restrict packed, const uint8_t *restrict e8m0, int64_t rows,
                                   int64_t cols, int64_t b0, int64_t b1, uint8_t *restrict codes,
                                   int32_t *restrict exps) {
     const int64_t nb1 = (cols + b1 - 1) / b1;
+    float *buf = malloc((size_t)(b0 < rows ? b0 : rows) * (size_t)cols * sizeof(float));
+    if (buf == NULL) return -2;
     for (int64_t bi = 0; bi * b0 < rows; bi++) {
+        const int64_t r0 = bi * b0, r1 = r0 + b0 < rows ? r0 + b0 : rows;
+        for (int64_t i = r0; i < r1; i++) {  /* decode: a table of 16 values times the group's power of two */
+            const uint8_t *p = packed + i * (cols / 2), *s = e8m0 + i * (cols / 32);
+            float *v = buf + (i - r0) * cols;
+            for (int64_t g = 0; g < cols / 32; g++) {
+                const float scale = ldexpf(1.0f, (int)s[g] - 127);
+                for (int64_t k = 0; k < 16; k++) {
+                    const uint8_t b = p[g * 16 + k];
+                    v[g * 32 + 2 * k] = E2M1[b & 0x0F] * scale;
+                    v[g * 32 + 2 * k + 1] = E2M1[b >> 4] * scale;
+                }
+            }
+        }
         for (int64_t bj = 0; bj < nb1; bj++) {
             float amax = 0.0f;
-            for (int64_t i = bi * b0; i < rows && i < (bi + 1) * b0; i++)
-                for (int64_t j = bj * b1; j < cols && j < (bj + 1) * b1; j++) {
-                    const float a = fabsf(mxfp4_value(packed, e8m0, cols, i, j));
+            const int64_t c0 = bj * b1, c1 = c0 + b1 < cols ? c0 + b1 : cols;
+            for (int64_t i = 0; i < r1 - r0; i++)
+                for (int64_t j = c0; j < c1; j++) {
+                    const float a = fabsf(buf[i * cols + j]);
                     amax = a > amax ? a : amax;
                 }
             double e = amax > 0.0f ? ceil(log2((double)amax / 448.0)) : 0.0;
             e = e < -127.0 ? -127.0 : (e > 127.0 ? 127.0 : e);
             exps[bi * nb1 + bj] = (int32_t)e;
         }
-    }
-    for (int64_t i = 0; i < rows; i++) {
-        for (int64_t j = 0; j < cols; j++) {
-            const float q = mxfp4_value(packed, e8m0, cols, i, j) / ldexpf(1.0f, exps[(i / b0) * nb1 + j / b1]);
-            const float a = fabsf(q);
-            uint8_t code = 0;
-            if (a != 0.0f && (a > 448.0f || e4m3(a, &code) != a)) return i * cols + j;
-            codes[i * cols + j] = (uint8_t)(code | (signbit(q) ? 0x80 : 0));
+        for (int64_t i = r0; i < r1; i++) {
+            const float *v = buf + (i - r0) * cols;
+            for (int64_t bj = 0; bj < nb1; bj++) {
+                const float inv = ldexpf(1.0f, -exps[bi * nb1 + bj]);
+                const int64_t c1 = (bj + 1) * b1 < cols ? (bj + 1) * b1 : cols;
+                for (int64_t j = bj * b1; j < c1; j++) {
+                    const float q = v[j] * inv, a = fabsf(q);
+                    uint8_t code = 0;
+                    if (a != 0.0f && (a > 448.0f || e4m3(a, &code) != a)) {
+                        free(buf);
+                        return i * cols + j;
+                    }
+                    codes[i * cols + j] = (uint8_t)(code | (signbit(q) ? 0x80 : 0));
+                }
+            }
         }
     }
+    free(buf);
     return -1;
 }
