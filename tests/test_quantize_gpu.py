@@ -93,7 +93,8 @@ def test_gpt_oss_repack_and_its_readback_on_cuda_write_the_cpu_bytes(tmp_path):
 def test_sharded_v4_repack_on_cuda_writes_the_cpu_bytes_and_verifies(tmp_path):
     """`quantize --to fp8-block-deepseek --mp 2` on CUDA: the repack rows (host kernels) and wo_a's E8M0 128x128
     dequant into BF16 (formats/fp8.py's block row on the GPU) give the CPU's shards; verify on CUDA loads those FP8
-    shards (E8M0 scales dequantized by the Triton kernel) and agrees with transformers."""
+    shards (E8M0 scales dequantized by the Triton kernel) and agrees with transformers: the mp 2 shards where the
+    machine has two GPUs, the mp 1 shard always."""
     from deepseek_v4_models import PROMPT, build
     from test_deepseek_v4_fp8 import WIDE, published_form
 
@@ -109,6 +110,10 @@ def test_sharded_v4_repack_on_cuda_writes_the_cpu_bytes_and_verifies(tmp_path):
     assert _counts(gpu).get("chunks_on_gpu", 0) > 0, _counts(gpu)
     _same_files(tmp_path / "cpu", tmp_path / "gpu")
     convert(src, tmp_path / "reference", Spec(dequant=True), ExecOptions(quiet=True, device="cpu"))
-    report = run_verify(tmp_path / "gpu", reference=tmp_path / "reference", prompt_ids=PROMPT, max_new_tokens=6,
-                        device="cuda")
-    assert report.ok and "greedy ids agree" in report.render(tmp_path / "gpu")
+    # NCCL takes a GPU per rank: the mp 2 shards verify on CUDA where there are two, and one rank's shard on one GPU
+    convert(src, tmp_path / "gpu1", Spec(quantize="fp8-block-deepseek", mp=1),
+            ExecOptions(quiet=True, device="cuda", chunk_bytes=2048, wait_for_cuda=True))
+    for shards in ("gpu", "gpu1") if torch.cuda.device_count() >= 2 else ("gpu1",):
+        report = run_verify(tmp_path / shards, reference=tmp_path / "reference", prompt_ids=PROMPT,
+                            max_new_tokens=6, device="cuda")
+        assert report.ok and "greedy ids agree" in report.render(tmp_path / shards), shards

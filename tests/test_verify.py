@@ -318,3 +318,40 @@ def test_a_rank_that_died_before_its_log_is_named_not_a_missing_file(tmp_path):
     (tmp_path / "rank0.log").write_text("rank 0 ran\n")
     with pytest.raises(CkptError, match=r"verify rank 1 exited with code 3:\n    \(no log\)"):
         _collect(tmp_path, procs)
+
+
+
+def test_a_rank_that_failed_first_is_named_not_one_stopped_after_it(tmp_path):
+    """When one rank fails, verify stops the others after a grace (SIGKILL): the report names the rank that
+    failed and its log, not rank 0 killed with an empty log (what a CUDA verify of 2 ranks on one GPU showed)."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    from ckpttool.errors import CkptError
+    from ckpttool.verify.run import _collect
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=time.sleep, args=(60,)), ctx.Process(target=os._exit, args=(3,))]
+    for p in procs:
+        p.start()
+    procs[1].join()
+    procs[0].kill()
+    procs[0].join()
+    (tmp_path / "rank0.log").write_text("")
+    (tmp_path / "rank1.log").write_text("RuntimeError: NCCL error: duplicate GPU\n")
+    assert procs[0].exitcode == -signal.SIGKILL and procs[1].exitcode == 3
+    with pytest.raises(CkptError, match=r"verify rank 1 exited with code 3:\n    RuntimeError: NCCL error"):
+        _collect(tmp_path, procs)
+
+
+def test_cuda_with_fewer_gpus_than_ranks_is_refused_before_any_rank_starts(shards):
+    """NCCL takes one GPU per rank: --device cuda where the machine has fewer GPUs than ranks (none here) is an
+    error naming both counts and --device cpu, not ranks dying inside NCCL."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= 2:
+        pytest.skip("this machine has the GPUs for 2 ranks")
+    with pytest.raises(InputError, match=f"2 ranks need 2 GPUs, this machine has {gpus}") as err:
+        run_verify(shards("v3", 2), prompt_ids=PROMPT, max_new_tokens=1, device="cuda")
+    assert "--device cpu" in err.value.fix

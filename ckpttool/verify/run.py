@@ -13,6 +13,7 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -34,7 +35,7 @@ from ckpttool.io.layout import mp_file
 from ckpttool.layouts.table import verify_ranks
 from ckpttool.model.generate import greedy_generate, teacher_forced_logits
 from ckpttool.model.parallel import ParallelContext
-from ckpttool.verify.defaults import DEFAULT_PROMPT, DEFAULT_TOLERANCE, DTYPES
+from ckpttool.verify.defaults import DEFAULT_PROMPT, DEFAULT_TOLERANCE, check_options
 from ckpttool.verify.oracle import transformers_logits
 
 _CONFIG_FIX = "copy the HF config.json beside the model{i}-mp{N}.safetensors files"
@@ -117,16 +118,8 @@ def run_verify(directory: Path | str, *, reference: Path | str | None = None, pr
     family_for(read_config(config_path, missing_fix=_CONFIG_FIX), config_path)  # before any rank starts
     if device == "auto":  # one GPU per rank when there are enough, else CPU
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= mp else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise InputError(f"unknown device {device!r}", fix="use --device cpu, cuda or auto")
-    if dtype not in DTYPES:
-        raise InputError(f"unknown dtype {dtype!r}", fix="use --dtype float32 or --dtype bfloat16")
-    if attn_impl not in ("absorb", "naive"):
-        raise InputError(f"unknown attention form {attn_impl!r}", fix="use --attn absorb or --attn naive")
-    if max_new_tokens < 1:
-        raise InputError("--max-new-tokens must be at least 1")
-    if prompt is not None and prompt_ids is not None:
-        raise InputError("give either --prompt or --prompt-ids, not both")
+    check_options(device=device, dtype=dtype, attn_impl=attn_impl, max_new_tokens=max_new_tokens, prompt=prompt,
+                  prompt_ids=prompt_ids, mp=mp, gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if reference is not None and not (Path(reference) / "config.json").is_file():
         raise InputError("reference directory has no config.json", file=reference,
                          fix="pass the HF checkpoint the shards were converted from")
@@ -390,7 +383,8 @@ def _collect(tmp: Path, procs: list) -> VerifyReport:
     result = tmp / "result.json"
     if all(p.exitcode == 0 for p in procs) and result.exists():
         return VerifyReport.from_json(json.loads(result.read_text()))
-    for rank, p in enumerate(procs):
+    # a rank that failed first before the ones stopped after it (_wait's grace, then kill)
+    for rank, p in sorted(enumerate(procs), key=lambda rank_p: rank_p[1].exitcode == -signal.SIGKILL):
         if p.exitcode != 0:
             log = tmp / f"rank{rank}.log"  # none where the rank died before its body opened it
             lines = log.read_bytes().decode(errors="replace").strip().splitlines() if log.exists() else ["(no log)"]
