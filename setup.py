@@ -14,7 +14,7 @@ NATIVE = Extension(
              "ckpttool/kernels/native/packed.c", "ckpttool/kernels/native/bnb.c",
              "ckpttool/kernels/native/fp8_scaled.c", "ckpttool/kernels/native/quant.c",
              "ckpttool/kernels/native/ct_gidx.c"],
-    depends=["ckpttool/kernels/native/bf16.h"],
+    depends=["ckpttool/kernels/native/bf16.h", "ckpttool/kernels/native/block8.h"],
     extra_compile_args=["-O3", "-funroll-loops", "-std=c99"],
     optional=True,
 )

@@ -27,6 +27,7 @@
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+#include "block8.h"
 #define CT_AVX2 __attribute__((target("avx2,f16c")))
 #define CT_INLINE __attribute__((always_inline)) inline
 
@@ -39,33 +40,9 @@ CT_AVX2 static inline uint16_t word1(int32_t q, int32_t z, float s, const int ki
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* h[j] lane i -> t[i] lane j: an 8 x 8 block of 16-bit words transposed (native/packed.c's) */
-CT_AVX2 CT_INLINE static void transpose16(const __m128i h[8], __m128i t[8]) {
-    const __m128i a0 = _mm_unpacklo_epi16(h[0], h[1]), a1 = _mm_unpackhi_epi16(h[0], h[1]);
-    const __m128i a2 = _mm_unpacklo_epi16(h[2], h[3]), a3 = _mm_unpackhi_epi16(h[2], h[3]);
-    const __m128i a4 = _mm_unpacklo_epi16(h[4], h[5]), a5 = _mm_unpackhi_epi16(h[4], h[5]);
-    const __m128i a6 = _mm_unpacklo_epi16(h[6], h[7]), a7 = _mm_unpackhi_epi16(h[6], h[7]);
-    const __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
-    const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
-    const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
-    const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
-    t[0] = _mm_unpacklo_epi64(b0, b4), t[1] = _mm_unpackhi_epi64(b0, b4);
-    t[2] = _mm_unpacklo_epi64(b1, b5), t[3] = _mm_unpackhi_epi64(b1, b5);
-    t[4] = _mm_unpacklo_epi64(b2, b6), t[5] = _mm_unpackhi_epi64(b2, b6);
-    t[6] = _mm_unpacklo_epi64(b3, b7), t[7] = _mm_unpackhi_epi64(b3, b7);
-}
-
 /* code j of a row (offset binary; int8 storage flipped) */
 static inline int32_t code1(const uint8_t *c, int64_t j, const int bits, uint32_t flip) {
     return bits == 4 ? (c[j / 2] >> (4 * (j % 2))) & 15 : (uint8_t)(c[j] ^ flip);
-}
-
-/* BF16 of eight fp32 products, nearest even in integers (bf16.h; no product is a NaN): the result in each 32-bit
- * lane's high half, the low half garbage */
-CT_AVX2 CT_INLINE static __m256i bf16_high(__m256 p) {
-    const __m256i u = _mm256_castps_si256(p);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
 }
 
 /* columns k0 .. k0 + 7 of the block's eight rows: w0 (and w1 for 8-bit codes) hold each row's codes of them in its
@@ -90,25 +67,11 @@ CT_AVX2 CT_INLINE static void cols8(__m256i w0, __m256i w1, const int32_t *restr
     if (kind == 0) {
         __m128i h[8], t[8];
         for (int j = 0; j < 8; j++) h[j] = _mm256_cvtps_ph(p[j], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        transpose16(h, t);
+        block8_transpose16(h, t);
         for (int r = 0; r < 8; r++) _mm_storeu_si128((__m128i *)(dst + r * out_stride), t[r]);
         return;
     }
-    __m256i v[4];
-    for (int j = 0; j < 4; j++) /* lane r: row r's columns 2j (low word) and 2j + 1 (high word) */
-        v[j] = _mm256_blend_epi16(_mm256_srli_epi32(bf16_high(p[2 * j]), 16), bf16_high(p[2 * j + 1]), 0xAA);
-    const __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
-    const __m256i a2 = _mm256_unpacklo_epi32(v[2], v[3]), a3 = _mm256_unpackhi_epi32(v[2], v[3]);
-    const __m256i r04 = _mm256_unpacklo_epi64(a0, a2), r15 = _mm256_unpackhi_epi64(a0, a2);
-    const __m256i r26 = _mm256_unpacklo_epi64(a1, a3), r37 = _mm256_unpackhi_epi64(a1, a3);
-    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(r04));
-    _mm_storeu_si128((__m128i *)(dst + out_stride), _mm256_castsi256_si128(r15));
-    _mm_storeu_si128((__m128i *)(dst + 2 * out_stride), _mm256_castsi256_si128(r26));
-    _mm_storeu_si128((__m128i *)(dst + 3 * out_stride), _mm256_castsi256_si128(r37));
-    _mm_storeu_si128((__m128i *)(dst + 4 * out_stride), _mm256_extracti128_si256(r04, 1));
-    _mm_storeu_si128((__m128i *)(dst + 5 * out_stride), _mm256_extracti128_si256(r15, 1));
-    _mm_storeu_si128((__m128i *)(dst + 6 * out_stride), _mm256_extracti128_si256(r26, 1));
-    _mm_storeu_si128((__m128i *)(dst + 7 * out_stride), _mm256_extracti128_si256(r37, 1));
+    block8_store_bf16(p, (char *)dst, 2 * out_stride);
 }
 
 /* x[r] lane m -> t[m] lane r: an 8 x 8 block of 32-bit words transposed */

@@ -105,6 +105,7 @@ ROWS(ckpttool_packed_rows_u32, uint32_t)
  * block of eight are computed one at a time with the scalar F16C conversions. */
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
+#include "block8.h"
 #define PACKED_F16C __attribute__((target("avx2,f16c")))
 #define INLINE __attribute__((always_inline)) inline
 
@@ -151,45 +152,11 @@ PACKED_F16C static inline void store1(float p, int32_t kind, void *out, int64_t 
     }
 }
 
-/* h[j] lane i -> t[i] lane j: an 8 x 8 block of 16-bit words transposed */
-PACKED_F16C INLINE static void transpose16(const __m128i h[8], __m128i t[8]) {
-    const __m128i a0 = _mm_unpacklo_epi16(h[0], h[1]), a1 = _mm_unpackhi_epi16(h[0], h[1]);
-    const __m128i a2 = _mm_unpacklo_epi16(h[2], h[3]), a3 = _mm_unpackhi_epi16(h[2], h[3]);
-    const __m128i a4 = _mm_unpacklo_epi16(h[4], h[5]), a5 = _mm_unpackhi_epi16(h[4], h[5]);
-    const __m128i a6 = _mm_unpacklo_epi16(h[6], h[7]), a7 = _mm_unpackhi_epi16(h[6], h[7]);
-    const __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
-    const __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
-    const __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
-    const __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
-    t[0] = _mm_unpacklo_epi64(b0, b4), t[1] = _mm_unpackhi_epi64(b0, b4);
-    t[2] = _mm_unpacklo_epi64(b1, b5), t[3] = _mm_unpackhi_epi64(b1, b5);
-    t[4] = _mm_unpacklo_epi64(b2, b6), t[5] = _mm_unpackhi_epi64(b2, b6);
-    t[6] = _mm_unpacklo_epi64(b3, b7), t[7] = _mm_unpackhi_epi64(b3, b7);
-}
-
-/* BF16 of h[j] (lane i: row i, column j) stored row by row: each column's values rounded in 32-bit lanes, two
- * columns' words joined per lane by a blend, the four pairs transposed (two rows a vector). Transposing the fp16
- * words first and rounding each row (bf16_of: a byte shuffle and a permute more per eight) ran awq_gemm at
- * 0.86-0.87x FP8 block per output byte (ct_gidx.c does the same) */
+/* BF16 of h[j] (lane i: row i, column j, fp16 words) stored row by row (block8.h) */
 PACKED_F16C INLINE static void store_block_bf16(const __m128i h[8], char *dst, int64_t row_bytes) {
-    __m256i v[4];
-    for (int j = 0; j < 4; j++) {
-        __m256i r[2];
-        for (int k = 0; k < 2; k++) { /* nearest even (bf16.h; no product is a NaN), the result in the high half */
-            const __m256i u = _mm256_castps_si256(_mm256_cvtph_ps(h[2 * j + k]));
-            const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-            r[k] = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
-        }
-        v[j] = _mm256_blend_epi16(_mm256_srli_epi32(r[0], 16), r[1], 0xAA); /* row i's columns 2j, 2j + 1 */
-    }
-    const __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
-    const __m256i a2 = _mm256_unpacklo_epi32(v[2], v[3]), a3 = _mm256_unpackhi_epi32(v[2], v[3]);
-    const __m256i t[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2), _mm256_unpacklo_epi64(a1, a3),
-                          _mm256_unpackhi_epi64(a1, a3)}; /* rows 0 and 4, 1 and 5, 2 and 6, 3 and 7 */
-    for (int i = 0; i < 4; i++) {
-        _mm_storeu_si128((__m128i *)(dst + i * row_bytes), _mm256_castsi256_si128(t[i]));
-        _mm_storeu_si128((__m128i *)(dst + (i + 4) * row_bytes), _mm256_extracti128_si256(t[i], 1));
-    }
+    __m256 p[8];
+    for (int j = 0; j < 8; j++) p[j] = _mm256_cvtph_ps(h[j]);
+    block8_store_bf16(p, dst, row_bytes);
 }
 
 /* h[j] lane i -> row i's column j, stored row by row */
@@ -199,7 +166,7 @@ PACKED_F16C INLINE static void store_block(__m128i h[8], int32_t kind, char *dst
         return;
     }
     __m128i t[8];
-    transpose16(h, t);
+    block8_transpose16(h, t);
     for (int i = 0; i < 8; i++) store8(t[i], kind, dst + i * row_bytes);
 }
 
@@ -356,8 +323,8 @@ PACKED_F16C INLINE static void shuffled_kind(const uint32_t *restrict words, int
                     h[q] = f16_products(_mm256_set1_epi32(q), vz, vs);
                     if (kind == 1) h[q] = bf16_of(h[q]);
                 }
-                transpose16(h, t0);
-                transpose16(h + 8, t1);
+                block8_transpose16(h, t0);
+                block8_transpose16(h + 8, t1);
                 for (int i = 0; i < 8; i++) {
                     const __m128i a = _mm_shuffle_epi8(t0[i], split), b = _mm_shuffle_epi8(t1[i], split);
                     tlo[i] = _mm_unpacklo_epi64(a, b), thi[i] = _mm_unpackhi_epi64(a, b);
