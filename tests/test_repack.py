@@ -349,6 +349,19 @@ def test_v4_repacks_into_1x128_blocks(v4, tmp_path):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
 
 
+def _c_and_numpy(monkeypatch, packed, e8m0, block) -> list:
+    """repack.mxfp4_to_fp8 through the C loop, then numpy: (codes, exponents) each, or (block, value, exponent)
+    of the first block it refused."""
+    out = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("CKPTTOOL_NATIVE", native)
+        try:
+            out.append(repack.mxfp4_to_fp8(packed, e8m0, block))
+        except repack.Inexact as exc:
+            out.append((exc.block, exc.value, exc.scale_exp))
+    return out
+
+
 @pytest.mark.parametrize("block", [(128, 128), (1, 128), (32, 32)])
 def test_c_loop_gives_numpys_codes_exponents_and_first_refusal(block, monkeypatch):
     """kernels/native/quant.c's MXFP4 -> FP8 loop against the numpy functions above: the same codes and exponents
@@ -364,20 +377,11 @@ def test_c_loop_gives_numpys_codes_exponents_and_first_refusal(block, monkeypatc
     packed[7] = 0x80  # -0.0 and +0.0
     e8m0 = rng.integers(110, 125, (rows, cols // 32), dtype=np.uint8)
 
-    def both(p, s):
-        out = []
-        for native in ("1", "0"):
-            monkeypatch.setenv("CKPTTOOL_NATIVE", native)
-            try:
-                out.append(repack.mxfp4_to_fp8(p, s, block))
-            except repack.Inexact as exc:
-                out.append((exc.block, exc.value, exc.scale_exp))
-        return out
-    (c_codes, c_exps), (n_codes, n_exps) = both(packed, e8m0)
+    (c_codes, c_exps), (n_codes, n_exps) = _c_and_numpy(monkeypatch, packed, e8m0, block)
     assert np.array_equal(c_codes, n_codes) and np.array_equal(c_exps, n_exps)
     if block != (1, 128):
         e8m0[150, 3], e8m0[150, 4], packed[150, 48:64] = 140, 100, 0x77  # 40 binades apart in one block
-        c, n = both(packed, e8m0)
+        c, n = _c_and_numpy(monkeypatch, packed, e8m0, block)
         assert c == n and isinstance(c[0], tuple) and c[0][0] <= 150 // block[0], (c, n)  # refused alike
 
 
@@ -397,13 +401,7 @@ def test_c_loop_equals_numpy_over_the_whole_e8m0_range(monkeypatch):
         packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
         e8m0 = rng.integers(lo, min(255, lo + int(rng.integers(1, 20))), (rows, cols // 32), dtype=np.uint8)
         for block in [(128, 128), (1, 128), (32, 32), (7, 64)]:
-            out = []
-            for native in ("1", "0"):
-                monkeypatch.setenv("CKPTTOOL_NATIVE", native)
-                try:
-                    out.append(repack.mxfp4_to_fp8(packed, e8m0, block))
-                except repack.Inexact as exc:
-                    out.append((exc.block, exc.value, exc.scale_exp))
+            out = _c_and_numpy(monkeypatch, packed, e8m0, block)
             if isinstance(out[0][0], np.ndarray):
                 assert np.array_equal(out[0][0], out[1][0]) and np.array_equal(out[0][1], out[1][1]), (seed, block)
             else:
