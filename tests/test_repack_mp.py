@@ -96,6 +96,16 @@ def test_merge_gives_back_the_repacked_bytes_but_wo_a_in_bf16(v4, tmp_path):
     a, b = _all(tmp_path / "a"), _all(v4["reference"])
     assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16))
                                         if a[k].dtype == torch.bfloat16 else torch.equal(a[k], b[k]) for k in a)
+    # transformers loads it, its FP8 quantization_config beside a BF16 wo_a (its o_a_proj is not an FP8 linear;
+    # without a GPU it dequantizes the rest), and gives the source's logits
+    import transformers
+
+    logits = {}
+    for name, path in (("merged", tmp_path / "merged"), ("source", v4["reference"])):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            logits[name] = model(torch.tensor([PROMPT])).logits
+    assert torch.equal(logits["merged"], logits["source"])
 
 
 def test_v4_regrouped_into_128_blocks_shards_in_one_pass(v4, tmp_path):
