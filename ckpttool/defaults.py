@@ -66,13 +66,17 @@ def layout(files: int, total_workers: int | None = None, processes: int | None =
     A process given more than CORES_PER_PROCESS cores (its count capped by the files or MAX_PROCESSES) keeps one of
     them for its files' hash threads: on 64 cores as 2 or 4 pinned nodes (bench/nodes.sh) a worker per core let the
     hashes lag and took 1.07-1.11x the time of a core left free, in 4 of 4 paired runs; one 64-core tree ran alike
-    either way (bench/RESULTS.md "nodes")."""
+    either way (bench/RESULTS.md "nodes"). A torchrun rank sharing its node with others, one process, gets the same
+    (its hash waits lagged by 1.0-3.5 s as 4 ranks of 8 cores per node; the free core there not measured yet)."""
     n = max(1, cores() // share)
     if processes is None:
         processes = min(MAX_PROCESSES, n // CORES_PER_PROCESS) if n >= FORK_FROM_CORES and to_memory else 1
     processes = max(1, min(processes, files)) if can_split else 1
     if processes == 1:
-        return 1, total_workers or workers(n)
+        if total_workers:
+            return 1, total_workers
+        # a torchrun rank sharing its node is laid out as a forked process of as many cores (below)
+        return 1, n - 1 if share > 1 and CORES_PER_PROCESS < n == workers(n) else workers(n)
     if total_workers:
         return processes, max(1, total_workers // processes)
     each = min(n, MAX_WORKERS * processes) // processes

@@ -54,6 +54,18 @@ def test_layout(monkeypatch, cores, files, asked, expected):
     assert defaults.layout(files, *asked, to_memory=False)[0] == (expected[0] if asked[1] else 1)
 
 
+@pytest.mark.parametrize("cores, share, expected", [
+    (32, 4, (1, 7)),  # 4 torchrun ranks of a 32-core node, one file each: one core of 8 left to the rank's hashes
+    (16, 4, (1, 4)),  # 4 cores each: a worker per core, as a forked process of 4
+    (64, 4, (1, 12)),  # 16 cores each: workers()'s 12 already leave 4
+    (8, 1, (1, 8)),  # one rank on its node: unchanged
+])
+def test_layout_of_a_rank_sharing_its_node(monkeypatch, cores, share, expected):
+    """A torchrun rank of one output file (mp8 over 8 ranks) on its share of a node's cores."""
+    monkeypatch.setattr(defaults, "cores", lambda: cores)
+    assert defaults.layout(1, share=share) == expected
+
+
 def test_processes_write_the_bytes_of_one_process(tiny_v3, tmp_path):
     one = _report(run_cli_process("convert", tiny_v3, tmp_path / "one", *CONVERT, "--processes", "1", "--workers", "2"))
     split = _report(run_cli_process("convert", tiny_v3, tmp_path / "three", *CONVERT, "--processes", "3",
