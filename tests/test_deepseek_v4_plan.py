@@ -140,11 +140,22 @@ def test_v4_flash_tensor_inventory_is_the_published_index():
     assert sum(n.startswith("mtp.0.") for n in list(shapes) + scales) == 1575
 
 
+@pytest.fixture(scope="module")
+def bf16_plan(v4_flash):
+    """`plan --mp N --json` of the BF16 V4-Flash, once per N (each takes seconds at this size)."""
+    plans: dict[int, dict] = {}
+
+    def get(mp: int) -> dict:
+        if mp not in plans:
+            plans[mp] = json.loads(run_cli("plan", v4_flash, "--mp", mp, "--json").stdout)
+        return plans[mp]
+    return get
+
+
 @pytest.mark.parametrize("mp", [4, 8])
-def test_plan_of_v4_flash_is_accepted(v4_flash, mp):
+def test_plan_of_v4_flash_is_accepted(bf16_plan, mp):
     """Every rank file, the experts 256 / mp to a rank, the MTP layer kept (DeepSeek's convert.py keeps it)."""
-    proc = run_cli("plan", v4_flash, "--mp", mp, "--json")
-    plan = json.loads(proc.stdout)
+    plan = bf16_plan(mp)
     files = {f["name"]: f for f in plan["files"]}
     assert sorted(files) == sorted(f"model{r}-mp{mp}.safetensors" for r in range(mp))
     replicated = V4_FLASH_TENSORS - 3 * 256 * 44  # all but the routed experts (43 layers + MTP) are on every rank
@@ -181,9 +192,9 @@ def test_header_only_files_take_no_disk(v4_flash):
 
 
 @pytest.mark.parametrize("mp", [4, 8])
-def test_plan_of_published_v4_flash_dequantizes_every_weight(v4_flash, v4_flash_fp8, mp):
+def test_plan_of_published_v4_flash_dequantizes_every_weight(bf16_plan, v4_flash_fp8, mp):
     """The published FP8 + MXFP4 form plans to the same BF16 shards as the BF16 form, tensor for tensor."""
-    bf16 = json.loads(run_cli("plan", v4_flash, "--mp", mp, "--json").stdout)
+    bf16 = bf16_plan(mp)
     fp8 = json.loads(run_cli("plan", v4_flash_fp8, "--mp", mp, "--json").stdout)
     assert [(f["name"], f["tensors"], f["bytes"]) for f in fp8["files"]] == \
         [(f["name"], f["tensors"], f["bytes"]) for f in bf16["files"]]
