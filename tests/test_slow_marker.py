@@ -43,13 +43,18 @@ def test_category_reads_the_file_and_test_name_only():
 
 
 def test_not_slow_leaves_out_the_slow_tests_and_the_gpu_and_engines_tiers():
-    def collect(*args: str) -> set[str]:
-        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                               *args, str(TESTS)], capture_output=True, text=True, cwd=TESTS.parent, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return {line for line in done.stdout.splitlines() if "::" in line}
+    def start(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                 *args, str(TESTS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=TESTS.parent)
 
-    default, quick = collect(), collect("-m", "not slow")
+    def collected(proc: subprocess.Popen) -> set[str]:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        return {line for line in out.splitlines() if "::" in line}
+
+    both = start(), start("-m", "not slow")  # the two collections side by side: each takes seconds
+    default, quick = collected(both[0]), collected(both[1])
     assert quick and quick < default
     # exactly the default run's tests (gpu and engines already left out there) that tests/slow.py does not name
     assert quick == {nodeid for nodeid in default if category(nodeid) is None}
