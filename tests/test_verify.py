@@ -352,6 +352,6 @@ def test_cuda_with_fewer_gpus_than_ranks_is_refused_before_any_rank_starts(shard
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus >= 2:
         pytest.skip("this machine has the GPUs for 2 ranks")
-    with pytest.raises(InputError, match=f"2 ranks need 2 GPUs, this machine has {gpus}") as err:
+    with pytest.raises(InputError, match=f"2 ranks here need 2 GPUs, this machine has {gpus}") as err:
         run_verify(shards("v3", 2), prompt_ids=PROMPT, max_new_tokens=1, device="cuda")
     assert "--device cpu" in err.value.fix

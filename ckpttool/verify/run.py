@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from ckpttool.defaults import cores
 from ckpttool.errors import CkptError, InputError
-from ckpttool.execute.distributed import launched_by_torchrun
+from ckpttool.execute.distributed import launched_by_torchrun, local_world_size
 from ckpttool.families.base import Verifier
 from ckpttool.families.table import family_for
 from ckpttool.io.checkpoint import read_config, read_json_object
@@ -119,7 +119,8 @@ def run_verify(directory: Path | str, *, reference: Path | str | None = None, pr
     if device == "auto":  # one GPU per rank when there are enough, else CPU
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= mp else "cpu"
     check_options(device=device, dtype=dtype, attn_impl=attn_impl, max_new_tokens=max_new_tokens, prompt=prompt,
-                  prompt_ids=prompt_ids, mp=mp, gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+                  prompt_ids=prompt_ids, ranks_here=local_world_size() if launched_by_torchrun() else mp,
+                  gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if reference is not None and not (Path(reference) / "config.json").is_file():
         raise InputError("reference directory has no config.json", file=reference,
                          fix="pass the HF checkpoint the shards were converted from")
