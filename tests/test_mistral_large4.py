@@ -169,6 +169,17 @@ def test_shard_then_verify_gives_transformers_greedy_tokens(large4, tmp_path, sp
     assert "vision tower and projector tensor(s) on rank 0 skipped" in report.checks["load"].detail
 
 
+def test_bfloat16_verify_agrees_with_transformers_in_bfloat16(large4, tmp_path):
+    """In bfloat16 the tiny model's free-running ids are not fp32's (near-ties), but verify's check is against
+    transformers run in bfloat16 too: teacher-forced logits within the bf16 tolerance and the same greedy ids."""
+    run_cli("shard", large4["mistral"], tmp_path / "mp", "--mp", 2, "--quiet")
+    report = run_verify(tmp_path / "mp", reference=large4["mistral"], prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS,
+                        dtype="bfloat16")
+    assert report.ok, report.render("mistral_large4 bf16")
+    assert report.checks["reference"].detail.endswith("greedy ids agree")
+    assert report.max_abs_logit_diff <= DEFAULT_TOLERANCE["bfloat16"]
+
+
 def _bundled_logits(hf, change=None) -> torch.Tensor:
     """The bundled model at mp 1 on PROMPT, every position, after `change(model)`."""
     family = family_for(json.loads((hf / "config.json").read_text()))
