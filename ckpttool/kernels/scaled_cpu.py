@@ -105,19 +105,32 @@ def _scaled(rows: int, cols: int, groups: int, decode, scale: np.ndarray, out: s
     return result
 
 
+def lookup_int4_bf16(nibbles: np.ndarray, s32: np.ndarray, zeros, group: int, f16: bool) -> np.ndarray | None:
+    """BF16 words [rows, 2 * width] of 4-bit codes `nibbles` [rows, width] (low first) in groups of `group` (a multiple
+    of 32) by a 16-entry lookup per group (native.int4_lut_bf16, AVX2 + F16C): float32 scales `s32` [rows, groups]
+    (rows may be broadcast), offset-binary zero codes broadcast to them. None where it does not run (no C loops,
+    CKPTTOOL_SIMD below 2, a scale not finite, a zero code outside 0-15): the caller takes its tables."""
+    if native.library() is None or native.simd() < 2 or not np.isfinite(s32).all():
+        return None
+    zeros = np.broadcast_to(np.asarray(zeros, dtype=np.int32), s32.shape)
+    if zeros.shape[1] > 1 and zeros.strides[1] != 4:  # one zero code for every group: rows of them
+        zeros = np.ascontiguousarray(zeros)
+    if zeros.size and not 0 <= zeros.min() <= zeros.max() <= 15:
+        return None
+    result = np.empty((nibbles.shape[0], 2 * nibbles.shape[1]), dtype=np.uint16)
+    return result if native.int4_lut_bf16(nibbles, s32, zeros, group, f16, result) else None
+
+
 def dequant_int4(packed: np.ndarray, scale: np.ndarray, scale_dtype: str, out: str) -> np.ndarray:
     """int32 packed [M, N/8] and group scales [M, G] -> [M, N] in out's carrier (groups of N / G)."""
     rows = packed.shape[0]
     cols = packed.shape[1] * 8
     nibbles = packed.view(np.uint8).reshape(rows, cols // 2)
     group = cols // scale.shape[1] if scale.shape[1] else 0
-    if out == "BF16" and rows and group and group % 32 == 0 and scale.shape[0] == rows and native.library() is not None \
-            and native.simd() >= 2:  # a 16-entry lookup per group (native.int4_lut_bf16): 1.3x FP8 block in groups of 32
+    if out == "BF16" and rows and group and group % 32 == 0 and scale.shape[0] == rows:  # 1.3x FP8 block in groups of 32
         s = np.ascontiguousarray(scale_f32(scale, scale_dtype))
-        result = np.empty((rows, cols), dtype=np.uint16)
-        if np.isfinite(s).all() and native.int4_lut_bf16(nibbles, s, np.broadcast_to(np.full((1, s.shape[1]), 8, np.int32),
-                                                                                    s.shape), group, scale_dtype == "F16",
-                                                         result):
+        result = lookup_int4_bf16(nibbles, s, np.full((1, s.shape[1]), 8, np.int32), group, scale_dtype == "F16")
+        if result is not None:
             return result
     loops = compiled()
     few = None  # (distinct scales as fp32, each group's index) where a table per distinct scale pays

@@ -57,18 +57,13 @@ def dequant(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, zero_codes: 
     """uint8 codes [rows, width] (bytes, or two 4-bit codes a byte, low first) with scales [rows or 1, groups] (in
     their dtype's carrier) and offset-binary zero codes (broadcast like the scales; None: symmetric) -> [rows, cols]
     in out's carrier. Scales are the caller's to check (finite: bad_row); `gidx` int32 [cols] or None."""
-    from ckpttool.kernels.scaled_cpu import distinct, scale_f32  # (scaled_cpu's INT4 rows do not need this module)
+    from ckpttool.kernels.scaled_cpu import distinct, lookup_int4_bf16, scale_f32  # (its INT4 rows need not this)
 
     rows, cols = codes.shape[0], codes.shape[1] * (2 if bits == 4 else 1)
-    if bits == 4 and gidx is None and out == "BF16" and group % 32 == 0 and cols % group == 0 and rows \
-            and native.library() is not None and native.simd() >= 2:  # a 16-entry lookup per group (int4_lut_bf16)
+    if bits == 4 and gidx is None and out == "BF16" and group % 32 == 0 and cols % group == 0 and rows:
         s32 = np.broadcast_to(scale_f32(np.ascontiguousarray(scale), scale_dtype), (rows, cols // group))
-        zeros = np.broadcast_to(np.asarray(8 if zero_codes is None else zero_codes, dtype=np.int32), s32.shape)
-        if zeros.shape[1] > 1 and zeros.strides[1] != 4:  # one zero code for every group: rows of them
-            zeros = np.ascontiguousarray(zeros)
-        result = np.empty((rows, cols), dtype=np.uint16)
-        if np.isfinite(s32).all() and 0 <= zeros.min() and zeros.max() <= 15 and native.int4_lut_bf16(
-                codes, s32, zeros, group, scale_dtype == "F16", result):
+        result = lookup_int4_bf16(codes, s32, 8 if zero_codes is None else zero_codes, group, scale_dtype == "F16")
+        if result is not None:
             return result.view(CARRIERS[out])
     if (gidx is not None or (bits == 8 and cols and -(-cols // group) == scale.shape[-1])) and out in ("F16", "BF16") and rows \
             and native.library() is not None and native.simd() >= 2:  # 8-bit codes' tables: 256 or 511 words a scale
