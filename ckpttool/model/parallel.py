@@ -71,11 +71,18 @@ class Linear(nn.Module):
         self.compute_dtype = dtype
         weight_dtype = torch.float8_e4m3fn if fp8 else dtype
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype), requires_grad=False)
+        self.register_parameter("scale", None)
         if fp8:
-            scale_shape = (-(-out_features // BLOCK), -(-in_features // BLOCK))
-            self.scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
-        else:
-            self.register_parameter("scale", None)
+            self.hold_fp8()
+
+    def hold_fp8(self, scale_dtype: torch.dtype = torch.float32) -> None:
+        """Hold the weight as FP8 e4m3 beside a scale per 128x128 block of `scale_dtype` (float32, or E8M0 bytes as
+        DeepSeek-V4's files store them), as the mp files do: dequantized on each call."""
+        rows, cols = self.weight.shape
+        if self.weight.dtype != torch.float8_e4m3fn:
+            self.weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(-(-rows // BLOCK), -(-cols // BLOCK), dtype=scale_dtype),
+                                  requires_grad=False)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight in the compute dtype: FP8 goes through the bf16 dequant every call, never cached."""

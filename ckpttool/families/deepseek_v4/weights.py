@@ -18,7 +18,6 @@ from ckpttool.errors import InputError
 from ckpttool.formats import declares_fp8_block
 from ckpttool.io.checkpoint import Checkpoint, read_config
 from ckpttool.io.safetensors import TensorInfo
-from ckpttool.kernels.fp8 import BLOCK
 from ckpttool.model.loading import MAX_LISTED, check_tensors, load_mp_shard, reference_differences
 from ckpttool.model.parallel import Linear, ParallelContext
 
@@ -63,10 +62,7 @@ def _as_fp8(model: Transformer, keys, scale_dtype: torch.dtype) -> None:
         mapped = keys.to_hf(f"{name}.weight") if isinstance(module, Linear) else None
         if mapped is None or not mapped.row.linear or mapped.row.mp_dtype is not None:
             continue
-        rows, cols = module.weight.shape
-        module.weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn), requires_grad=False)
-        module.scale = nn.Parameter(torch.empty(-(-rows // BLOCK), -(-cols // BLOCK), dtype=scale_dtype),
-                                    requires_grad=False)
+        module.hold_fp8(scale_dtype)
 
 
 def _config(directory: Path) -> DeepseekV4Config:
