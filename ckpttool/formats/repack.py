@@ -144,13 +144,13 @@ def _split(name: str) -> tuple[Source | None, str]:
     return SOURCES.get(kind), args
 
 
-def repackable(row: QuantFormat) -> bool:
-    return _split(row.name)[0] is not None
-
-
-def source_of(row: QuantFormat) -> Source:
-    """The repack source a repackable row is read as."""
+def source_of(row: QuantFormat) -> Source | None:
+    """The repack source a row is read as, or None: not repackable."""
     return _split(row.name)[0]
+
+
+def repackable(row: QuantFormat) -> bool:
+    return source_of(row) is not None
 
 
 def block_of(row: QuantFormat) -> tuple[int, int] | None:
