@@ -1,4 +1,5 @@
-/* 8 x 8 blocks of 16-bit outputs held one column per vector (lane r: row r), written back row by row: shared by
+/* 8 x 8 blocks of words transposed (16- and 32-bit) and of 16-bit outputs held one column per vector (lane r: row r)
+ * written back row by row: shared by
  * packed.c (GPTQ lanes, AWQ rows8) and ct_gidx.c (compressed-tensors' act-order and 8-bit rows). x86 with AVX2 and
  * F16C only: include it inside those files' x86 block. */
 #ifndef CKPTTOOL_BLOCK8_H
@@ -22,6 +23,22 @@ BLOCK8 static void block8_transpose16(const __m128i h[8], __m128i t[8]) {
     t[2] = _mm_unpacklo_epi64(b1, b5), t[3] = _mm_unpackhi_epi64(b1, b5);
     t[4] = _mm_unpacklo_epi64(b2, b6), t[5] = _mm_unpackhi_epi64(b2, b6);
     t[6] = _mm_unpacklo_epi64(b3, b7), t[7] = _mm_unpackhi_epi64(b3, b7);
+}
+
+/* x[r] lane m -> t[m] lane r: an 8 x 8 block of 32-bit words transposed */
+BLOCK8 static void block8_transpose32(const __m256i x[8], __m256i t[8]) {
+    const __m256i a0 = _mm256_unpacklo_epi32(x[0], x[1]), a1 = _mm256_unpackhi_epi32(x[0], x[1]);
+    const __m256i a2 = _mm256_unpacklo_epi32(x[2], x[3]), a3 = _mm256_unpackhi_epi32(x[2], x[3]);
+    const __m256i a4 = _mm256_unpacklo_epi32(x[4], x[5]), a5 = _mm256_unpackhi_epi32(x[4], x[5]);
+    const __m256i a6 = _mm256_unpacklo_epi32(x[6], x[7]), a7 = _mm256_unpackhi_epi32(x[6], x[7]);
+    const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
+    const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
+    const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
+    const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
+    t[0] = _mm256_permute2x128_si256(b0, b4, 0x20), t[1] = _mm256_permute2x128_si256(b1, b5, 0x20);
+    t[2] = _mm256_permute2x128_si256(b2, b6, 0x20), t[3] = _mm256_permute2x128_si256(b3, b7, 0x20);
+    t[4] = _mm256_permute2x128_si256(b0, b4, 0x31), t[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
+    t[6] = _mm256_permute2x128_si256(b2, b6, 0x31), t[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
 }
 
 /* BF16 of eight fp32 values, nearest even in integers (bf16.h; the callers' values are never NaN): the result in

@@ -74,22 +74,6 @@ CT_AVX2 CT_INLINE static void cols8(__m256i w0, __m256i w1, const int32_t *restr
     block8_store_bf16(p, (char *)dst, 2 * out_stride);
 }
 
-/* x[r] lane m -> t[m] lane r: an 8 x 8 block of 32-bit words transposed */
-CT_AVX2 CT_INLINE static void transpose32(const __m256i x[8], __m256i t[8]) {
-    const __m256i a0 = _mm256_unpacklo_epi32(x[0], x[1]), a1 = _mm256_unpackhi_epi32(x[0], x[1]);
-    const __m256i a2 = _mm256_unpacklo_epi32(x[2], x[3]), a3 = _mm256_unpackhi_epi32(x[2], x[3]);
-    const __m256i a4 = _mm256_unpacklo_epi32(x[4], x[5]), a5 = _mm256_unpackhi_epi32(x[4], x[5]);
-    const __m256i a6 = _mm256_unpacklo_epi32(x[6], x[7]), a7 = _mm256_unpackhi_epi32(x[6], x[7]);
-    const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
-    const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
-    const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
-    const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
-    t[0] = _mm256_permute2x128_si256(b0, b4, 0x20), t[1] = _mm256_permute2x128_si256(b1, b5, 0x20);
-    t[2] = _mm256_permute2x128_si256(b2, b6, 0x20), t[3] = _mm256_permute2x128_si256(b3, b7, 0x20);
-    t[4] = _mm256_permute2x128_si256(b0, b4, 0x31), t[5] = _mm256_permute2x128_si256(b1, b5, 0x31);
-    t[6] = _mm256_permute2x128_si256(b2, b6, 0x31), t[7] = _mm256_permute2x128_si256(b3, b7, 0x31);
-}
-
 /* the loop, `bits`, `kind` and `f16` constants after inlining, so that the eight columns unroll */
 CT_AVX2 CT_INLINE static void gidx_rows(const uint8_t *restrict codes, int64_t code_stride, int64_t rows, int64_t cols,
                                         const int bits, uint32_t flip, const float *restrict scales, int64_t s_stride,
@@ -122,7 +106,7 @@ CT_AVX2 CT_INLINE static void gidx_rows(const uint8_t *restrict codes, int64_t c
             for (int r = 0; r < 8; r++)
                 x[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c0 + r * code_stride + k0 * bits / 8)),
                                         vflip);
-            transpose32(x, t);
+            block8_transpose32(x, t);
             if (bits == 4)
                 for (int m = 0; m < 8; m++)
                     cols8(t[m], t[m], gidx + k0 + 8 * m, 4, sbuf, zbuf, kind, f16, dst + k0 + 8 * m, out_stride);

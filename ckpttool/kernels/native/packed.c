@@ -333,20 +333,8 @@ PACKED_F16C INLINE static void shuffled_kind(const uint32_t *restrict words, int
             for (int64_t r = r0; r < r0 + per_group; r += 8) {
                 __m256i w[8];
                 for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(words + (r + j) * rows + n0));
-                /* 8 x 8 words transposed: R[i] = row n0 + i's words r .. r + 7 */
-                const __m256i t0 = _mm256_unpacklo_epi32(w[0], w[1]), t1 = _mm256_unpackhi_epi32(w[0], w[1]);
-                const __m256i t2 = _mm256_unpacklo_epi32(w[2], w[3]), t3 = _mm256_unpackhi_epi32(w[2], w[3]);
-                const __m256i t4 = _mm256_unpacklo_epi32(w[4], w[5]), t5 = _mm256_unpackhi_epi32(w[4], w[5]);
-                const __m256i t6 = _mm256_unpacklo_epi32(w[6], w[7]), t7 = _mm256_unpackhi_epi32(w[6], w[7]);
-                const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-                const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-                const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-                const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-                __m256i R[8];
-                R[0] = _mm256_permute2x128_si256(u0, u4, 0x20), R[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
-                R[1] = _mm256_permute2x128_si256(u1, u5, 0x20), R[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
-                R[2] = _mm256_permute2x128_si256(u2, u6, 0x20), R[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
-                R[3] = _mm256_permute2x128_si256(u3, u7, 0x20), R[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+                __m256i R[8]; /* 8 x 8 words transposed: R[i] = row n0 + i's words r .. r + 7 */
+                block8_transpose32(w, R);
                 for (int i = 0; i < 8; i++) { /* byte b of R[i]: columns 8r + 2b (low nibble) and 8r + 2b + 1 */
                     const __m256i TL = _mm256_broadcastsi128_si256(tlo[i]), TH = _mm256_broadcastsi128_si256(thi[i]);
                     const __m256i lo = _mm256_and_si256(R[i], low), hi = _mm256_and_si256(_mm256_srli_epi16(R[i], 4), low);
