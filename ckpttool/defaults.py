@@ -67,7 +67,7 @@ def layout(files: int, total_workers: int | None = None, processes: int | None =
     them for its files' hash threads: on 64 cores as 2 or 4 pinned nodes (bench/nodes.sh) a worker per core let the
     hashes lag and took 1.07-1.11x the time of a core left free, in 4 of 4 paired runs; one 64-core tree ran alike
     either way (bench/RESULTS.md "nodes"). A torchrun rank sharing its node with others, one process, gets the same
-    (its hash waits lagged by 1.0-3.5 s as 4 ranks of 8 cores per node; the free core there not measured yet)."""
+    (4 ranks of 8 cores per node: hash waits of 1.0-3.5 s without it, at most 0.3 s with it, 0.90-1.24x one tree)."""
     n = max(1, cores() // share)
     if processes is None:
         processes = min(MAX_PROCESSES, n // CORES_PER_PROCESS) if n >= FORK_FROM_CORES and to_memory else 1
