@@ -215,38 +215,6 @@ def rank_slice(key_map: KeyMap, native: str, shapes: dict[str, tuple[int, ...]],
     return mapped.name, (dim, start, length)
 
 
-def decoder_shapes(vocab: int, hidden: int, n_layers: int, *, tie_word_embeddings: bool) -> tuple[dict, list[str]]:
-    """The tensors every HF decoder here holds (embeddings, final norm, `lm_head` unless tied, and each
-    layer's input and post-attention norms), and each layer's name prefix `model.layers.{i}.`."""
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    if not tie_word_embeddings:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    prefixes = [f"model.layers.{layer}." for layer in range(n_layers)]
-    for p in prefixes:
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-    return shapes, prefixes
-
-
-def mtp_shapes(shapes: dict, prefix: str, vocab: int, hidden: int) -> None:
-    """What a DeepSeek-style MTP layer holds beyond a decoder layer (DeepSeek-V3, GLM-4.5)."""
-    shapes.update({prefix + "enorm.weight": (hidden,), prefix + "hnorm.weight": (hidden,),
-                   prefix + "eh_proj.weight": (hidden, 2 * hidden), prefix + "embed_tokens.weight": (vocab, hidden),
-                   prefix + "shared_head.norm.weight": (hidden,), prefix + "shared_head.head.weight": (vocab, hidden)})
-
-
-def attention_shapes(shapes: dict, prefix: str, hidden: int, q_out: int, kv_out: int, *,
-                     qkv_bias: bool, o_bias: bool) -> None:
-    """HF q/k/v/o projection shapes (and biases) of a standard multi-head / GQA attention block."""
-    for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
-        shapes[f"{prefix}self_attn.{proj}.weight"] = (out, hidden)
-        if qkv_bias:
-            shapes[f"{prefix}self_attn.{proj}.bias"] = (out,)
-    shapes[f"{prefix}self_attn.o_proj.weight"] = (hidden, q_out)
-    if o_bias:
-        shapes[f"{prefix}self_attn.o_proj.bias"] = (hidden,)
-
-
 def layer_index(hf_name: str) -> int | None:
     """The decoder-layer index of an HF tensor name, or None for embed/norm/head."""
     parts = hf_name.split(".")

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ckpttool.errors import InputError, PlanError
-from ckpttool.families.base import (config_fields, decoder_shapes, layer_index, mtp_shapes, rope_theta_of,
-                                    state_fields)
+from ckpttool.families.base import config_fields, layer_index, rope_theta_of, state_fields
+from ckpttool.families.shapes import decoder_shapes, mlp_shapes, mtp_shapes
 from ckpttool.families.deepseek.types import MODEL_TYPES, ROUTING_FIELDS, TYPES, MlaType
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 
@@ -350,20 +350,14 @@ def hf_tensor_shapes(cfg: DeepseekConfig, *, with_mtp: bool = True) -> dict[str,
             if cfg.has_correction_bias:
                 shapes[p + "mlp.gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
             for e in range(cfg.n_routed_experts):
-                _mlp_shapes(shapes, f"{p}mlp.experts.{e}.", h, inter)
+                mlp_shapes(shapes, f"{p}mlp.experts.{e}.", h, inter)
             if cfg.n_shared_experts:
-                _mlp_shapes(shapes, p + "mlp.shared_experts.", h, inter * cfg.n_shared_experts)
+                mlp_shapes(shapes, p + "mlp.shared_experts.", h, inter * cfg.n_shared_experts)
         else:
-            _mlp_shapes(shapes, p + "mlp.", h, cfg.intermediate_size)
+            mlp_shapes(shapes, p + "mlp.", h, cfg.intermediate_size)
         if cfg.is_mtp_layer(layer):
             mtp_shapes(shapes, p, cfg.vocab_size, h)
     return shapes
-
-
-def _mlp_shapes(shapes: dict, prefix: str, hidden: int, inter: int) -> None:
-    shapes[prefix + "gate_proj.weight"] = (inter, hidden)
-    shapes[prefix + "up_proj.weight"] = (inter, hidden)
-    shapes[prefix + "down_proj.weight"] = (hidden, inter)
 
 
 def is_fp8_in_published_checkpoint(hf_name: str) -> bool:

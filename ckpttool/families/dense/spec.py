@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, attention_shapes, check_gqa_heads, config_fields,
-                                    decoder_shapes)
+from ckpttool.families.base import KV_HEADS, O_HEADS, Q_HEADS, check_gqa_heads, config_fields
+from ckpttool.families.shapes import attention_shapes, decoder_shapes
 from ckpttool.families.keymap import LINEAR, KeyMap
 from ckpttool.errors import InputError, PlanError
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, HeadSplit, check_gqa_heads, config_fields,
                                     rope_theta_of, state_fields)
+from ckpttool.families.shapes import mlp_shapes
 from ckpttool.families.gated_deltanet.types import MODEL_TYPES, TYPES, HybridType
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap, Segment
 
@@ -251,18 +252,13 @@ def _layer_shapes(shapes: dict, p: str, cfg: HybridConfig, layer: int, *, linear
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (d,)
     if not cfg.is_moe_layer(layer):
-        _mlp_shapes(shapes, p + "mlp.", h, cfg.intermediate_size)
+        mlp_shapes(shapes, p + "mlp.", h, cfg.intermediate_size)
         return
     shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
     shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
-    _mlp_shapes(shapes, p + "mlp.shared_expert.", h, cfg.shared_intermediate_size)
+    mlp_shapes(shapes, p + "mlp.shared_expert.", h, cfg.shared_intermediate_size)
     for e in range(cfg.num_experts):
-        _mlp_shapes(shapes, f"{p}mlp.experts.{e}.", h, cfg.expert_intermediate_size)
-
-
-def _mlp_shapes(shapes: dict, prefix: str, hidden: int, inter: int) -> None:
-    shapes.update({prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
-                   prefix + "down_proj.weight": (hidden, inter)})
+        mlp_shapes(shapes, f"{p}mlp.experts.{e}.", h, cfg.expert_intermediate_size)
 
 
 def hf_tensor_shapes(cfg: HybridConfig, *, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:

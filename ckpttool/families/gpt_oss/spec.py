@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ckpttool.families.base import attention_shapes, config_fields, decoder_shapes, read_rope
+from ckpttool.families.base import config_fields, read_rope
+from ckpttool.families.shapes import attention_shapes, decoder_shapes
 from ckpttool.families.keymap import KeyMap
 from ckpttool.errors import InputError, PlanError
 from ckpttool.formats import MXFP4

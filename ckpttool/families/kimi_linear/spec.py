@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.base import config_fields
+from ckpttool.families.shapes import mlp_shapes
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 
 MODEL_TYPES = ("kimi_linear",)
@@ -240,22 +241,17 @@ def hf_tensor_shapes(cfg: KimiLinearConfig, with_mtp: bool = True) -> dict[str, 
                            a + "kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
                            a + "o_proj.weight": (h, heads * cfg.v_head_dim)})
         if not cfg.is_moe_layer(layer):
-            _mlp_shapes(shapes, p + ("mlp." if cfg.spelling == "hub" else "block_sparse_moe."), h, cfg.intermediate_size)
+            mlp_shapes(shapes, p + ("mlp." if cfg.spelling == "hub" else "block_sparse_moe."), h, cfg.intermediate_size)
             continue
         moe = p + "block_sparse_moe."
         shapes[moe + "gate.weight"] = (cfg.num_experts, h)
         shapes[moe + "gate.e_score_correction_bias"] = (cfg.num_experts,)
-        _mlp_shapes(shapes, moe + "shared_experts.", h, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        mlp_shapes(shapes, moe + "shared_experts.", h, cfg.moe_intermediate_size * cfg.n_shared_experts)
         for e in range(cfg.num_experts):
             i = cfg.moe_intermediate_size
             shapes.update({f"{moe}experts.{e}.w1.weight": (i, h), f"{moe}experts.{e}.w3.weight": (i, h),
                            f"{moe}experts.{e}.w2.weight": (h, i)})
     return shapes
-
-
-def _mlp_shapes(shapes: dict, prefix: str, hidden: int, inter: int) -> None:
-    shapes.update({prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
-                   prefix + "down_proj.weight": (hidden, inter)})
 
 
 def check_mp(cfg: KimiLinearConfig, mp: int) -> None:

@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpttool.errors import InputError, PlanError
-from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, attention_shapes, check_gqa_heads, config_fields,
-                                    decoder_shapes, rope_theta_of, state_fields)
+from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, check_gqa_heads, config_fields, rope_theta_of,
+                                    state_fields)
+from ckpttool.families.shapes import attention_shapes, decoder_shapes, mlp_shapes
 from ckpttool.families.keymap import LINEAR, KeyMap
 
 MODEL_TYPES = ("llama4_text",)
@@ -179,15 +180,10 @@ def hf_tensor_shapes(cfg: Llama4Config) -> dict[str, tuple[int, ...]]:
             f = p + "feed_forward."
             shapes.update({f + "router.weight": (e, h), f + "experts.gate_up_proj": (e, h, 2 * inter),
                            f + "experts.down_proj": (e, inter, h)})
-            _mlp_shapes(shapes, f + "shared_expert.", h, inter)
+            mlp_shapes(shapes, f + "shared_expert.", h, inter)
         else:
-            _mlp_shapes(shapes, p + "feed_forward.", h, cfg.intermediate_size_mlp)
+            mlp_shapes(shapes, p + "feed_forward.", h, cfg.intermediate_size_mlp)
     return shapes
-
-
-def _mlp_shapes(shapes: dict, prefix: str, hidden: int, inter: int) -> None:
-    shapes.update({prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
-                   prefix + "down_proj.weight": (hidden, inter)})
 
 
 def check_mp(cfg: Llama4Config, mp: int) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 from ckpttool.errors import InputError, PlanError
 from ckpttool.families.base import config_fields, read_rope
+from ckpttool.families.shapes import mlp_shapes
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 
 MODEL_TYPES = ("longcat_flash",)
@@ -216,7 +217,7 @@ def hf_tensor_shapes(cfg: LongcatFlashConfig, with_mtp: bool = True) -> dict[str
         for sub in (0, 1):
             shapes.update({f"{p}input_layernorm.{sub}.weight": (h,), f"{p}post_attention_layernorm.{sub}.weight": (h,)})
             _attention_shapes(shapes, f"{p}self_attn.{sub}.", cfg)
-            _mlp_shapes(shapes, f"{p}mlps.{sub}.", cfg)
+            mlp_shapes(shapes, f"{p}mlps.{sub}.", h, cfg.ffn_hidden_size)
         shapes[p + "mlp.router.classifier.weight"] = (cfg.num_experts, h)
         shapes[p + "mlp.router.e_score_correction_bias"] = (cfg.num_experts,)
         held = cfg.num_experts if cfg.spelling == "transformers" else cfg.n_routed_experts
@@ -232,7 +233,7 @@ def hf_tensor_shapes(cfg: LongcatFlashConfig, with_mtp: bool = True) -> dict[str
             shapes.update({p + "eh_proj.weight": (h, 2 * h), p + "enorm.m.weight": (h,), p + "hnorm.m.weight": (h,),
                            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
             _attention_shapes(shapes, p + "self_attn.", cfg)
-            _mlp_shapes(shapes, p + "transformer_layer.mlp.", cfg)
+            mlp_shapes(shapes, p + "transformer_layer.mlp.", h, cfg.ffn_hidden_size)
     return shapes
 
 
@@ -251,11 +252,6 @@ def _attention_shapes(shapes: dict, a: str, cfg: LongcatFlashConfig) -> None:
     if cfg.attention_bias:
         shapes.update({a + "q_a_proj.bias": (cfg.q_lora_rank,),
                        a + "kv_a_proj_with_mqa.bias": (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), a + "o_proj.bias": (h,)})
-
-
-def _mlp_shapes(shapes: dict, m: str, cfg: LongcatFlashConfig) -> None:
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    shapes.update({m + "gate_proj.weight": (f, h), m + "up_proj.weight": (f, h), m + "down_proj.weight": (h, f)})
 
 
 def check_mp(cfg: LongcatFlashConfig, mp: int) -> None:

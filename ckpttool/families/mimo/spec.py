@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpttool.errors import InputError, PlanError
-from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, HeadSplit, attention_shapes, check_gqa_heads,
-                                    config_fields, decoder_shapes, state_fields)
+from ckpttool.families.base import KV_HEADS, O_HEADS, Q_HEADS, HeadSplit, check_gqa_heads, config_fields, state_fields
+from ckpttool.families.shapes import attention_shapes, decoder_shapes, mlp_shapes
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 
 MODEL_TYPES = ("mimo_v2_flash",)
@@ -203,15 +203,10 @@ def hf_tensor_shapes(cfg: MiMoConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.gate.weight"] = (e, h)
             shapes[p + "mlp.gate.e_score_correction_bias"] = (e,)
             for expert in range(e):
-                _mlp_shapes(shapes, f"{p}mlp.experts.{expert}.", h, cfg.moe_intermediate_size)
+                mlp_shapes(shapes, f"{p}mlp.experts.{expert}.", h, cfg.moe_intermediate_size)
         else:
-            _mlp_shapes(shapes, p + "mlp.", h, cfg.intermediate_size)
+            mlp_shapes(shapes, p + "mlp.", h, cfg.intermediate_size)
     return shapes
-
-
-def _mlp_shapes(shapes: dict, prefix: str, hidden: int, inter: int) -> None:
-    shapes.update({prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
-                   prefix + "down_proj.weight": (hidden, inter)})
 
 
 def check_mp(cfg: MiMoConfig, mp: int) -> None:

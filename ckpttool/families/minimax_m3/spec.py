@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpttool.errors import InputError, PlanError
-from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, attention_shapes, check_gqa_heads, config_fields,
-                                    decoder_shapes, layer_index)
+from ckpttool.families.base import KV_HEADS, O_HEADS, Q_HEADS, check_gqa_heads, config_fields, layer_index
+from ckpttool.families.shapes import attention_shapes, decoder_shapes, mlp_shapes
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 
 MODEL_TYPE = "minimax_m3_vl_text"
@@ -168,13 +168,6 @@ def _check(cfg: MiniMaxM3Config, source: object) -> None:
                          f"{cfg.head_dim} dims of a head", file=source)
 
 
-def _mlp_shapes(shapes: dict, prefix: str, leaves: tuple[str, str, str], hidden: int, inter: int) -> None:
-    gate, up, down = leaves
-    shapes[f"{prefix}{gate}.weight"] = (inter, hidden)
-    shapes[f"{prefix}{up}.weight"] = (inter, hidden)
-    shapes[f"{prefix}{down}.weight"] = (hidden, inter)
-
-
 def hf_tensor_shapes(cfg: MiniMaxM3Config, *, with_mtp: bool = True) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this config holds (weights only, no FP8 scales; no MTP layers: the
     published checkpoint's `mtp.*`, which transformers does not build either, is not read)."""
@@ -197,11 +190,10 @@ def hf_tensor_shapes(cfg: MiniMaxM3Config, *, with_mtp: bool = True) -> dict[str
             shapes[b + "gate.weight"] = (cfg.num_experts, h)
             shapes[b + "e_score_correction_bias"] = (cfg.num_experts,)
             for e in range(cfg.num_experts):
-                _mlp_shapes(shapes, f"{b}experts.{e}.", ("w1", "w3", "w2"), h, cfg.intermediate_size)
-            _mlp_shapes(shapes, b + "shared_experts.", ("gate_proj", "up_proj", "down_proj"), h,
-                        cfg.shared_intermediate_size)
+                mlp_shapes(shapes, f"{b}experts.{e}.", h, cfg.intermediate_size, ("w1", "w3", "w2"))
+            mlp_shapes(shapes, b + "shared_experts.", h, cfg.shared_intermediate_size)
         else:
-            _mlp_shapes(shapes, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), h, cfg.dense_intermediate_size)
+            mlp_shapes(shapes, p + "mlp.", h, cfg.dense_intermediate_size)
     return shapes
 
 

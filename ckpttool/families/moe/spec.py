@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckpttool.errors import InputError, PlanError
-from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, attention_shapes, check_gqa_heads, config_fields,
-                                    decoder_shapes, layer_index, rope_theta_of, state_fields)
+from ckpttool.families.base import (KV_HEADS, O_HEADS, Q_HEADS, check_gqa_heads, config_fields, layer_index,
+                                    rope_theta_of, state_fields)
+from ckpttool.families.shapes import attention_shapes, decoder_shapes, mlp_shapes
 from ckpttool.families.keymap import EXPERT, LINEAR, KeyMap
 from ckpttool.families.moe.types import MODEL_TYPES, QWEN_LEAVES, ROUTING_FIELDS, TYPES, MoeType
 
@@ -239,16 +240,6 @@ def _check(cfg: MoeConfig, source: object) -> None:
                          file=source)
 
 
-def _mlp_shapes(shapes: dict, prefix: str, leaves: tuple[str, str, str], hidden: int, inter: int,
-                bias: bool = False) -> None:
-    gate, up, down = leaves
-    shapes[f"{prefix}{gate}.weight"] = (inter, hidden)
-    shapes[f"{prefix}{up}.weight"] = (inter, hidden)
-    shapes[f"{prefix}{down}.weight"] = (hidden, inter)
-    if bias:
-        shapes.update({f"{prefix}{gate}.bias": (inter,), f"{prefix}{up}.bias": (inter,), f"{prefix}{down}.bias": (hidden,)})
-
-
 def _layer_shapes(shapes: dict, cfg: MoeConfig, p: str, *, moe: bool) -> None:
     """One decoder layer's attention and feed-forward (routed experts when `moe`, else the dense MLP)."""
     f, h, d = cfg.type, cfg.hidden_size, cfg.head_dim
@@ -258,16 +249,16 @@ def _layer_shapes(shapes: dict, cfg: MoeConfig, p: str, *, moe: bool) -> None:
         shapes[p + "self_attn.q_norm.weight"] = (d if cfg.qk_norm == "head" else q,)
         shapes[p + "self_attn.k_norm.weight"] = (d if cfg.qk_norm == "head" else kv,)
     if not moe:
-        _mlp_shapes(shapes, p + "mlp.", QWEN_LEAVES, h, cfg.intermediate_size, cfg.mlp_bias)
+        mlp_shapes(shapes, p + "mlp.", h, cfg.intermediate_size, QWEN_LEAVES, bias=cfg.mlp_bias)
         return
     b = f"{p}{f.block}."
     shapes[b + "gate.weight"] = (cfg.num_experts, h)
     if f.correction_bias:
         shapes[b + f.correction_bias] = (1, cfg.num_experts) if f.correction_bias_rows else (cfg.num_experts,)
     for e in range(cfg.num_experts):
-        _mlp_shapes(shapes, f"{b}experts.{e}.", f.expert_leaves, h, cfg.expert_intermediate_size)
+        mlp_shapes(shapes, f"{b}experts.{e}.", h, cfg.expert_intermediate_size, f.expert_leaves)
     if f.shared:
-        _mlp_shapes(shapes, f"{p}mlp.{f.shared}.", QWEN_LEAVES, h, cfg.shared_intermediate_size, cfg.mlp_bias)
+        mlp_shapes(shapes, f"{p}mlp.{f.shared}.", h, cfg.shared_intermediate_size, QWEN_LEAVES, bias=cfg.mlp_bias)
     if f.shared_gate:
         shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
 
