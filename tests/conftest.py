@@ -150,6 +150,19 @@ def run_cli_process(*args: object, env: dict | None = None, timeout: float = 300
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def start_cli(*args: object, env: dict | None = None) -> subprocess.Popen:
+    """The console entry point in a subprocess left running: to hold it at a CKPTTOOL_FAULT stop point, signal it,
+    watch it; `finish` collects it."""
+    return subprocess.Popen([sys.executable, "-m", "ckpttool", *map(str, args)], env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Wait for a `start_cli` process (let go with SIGCONT where it was held): its exit code and output."""
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def load_dir(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     """{file name: {tensor name: tensor}} for every safetensors file in a directory."""
     out = {}

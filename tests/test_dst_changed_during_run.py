@@ -7,10 +7,8 @@ file, leaves it as it was, and once it is moved away --resume publishes the same
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +16,9 @@ import pytest
 from ckpttool.io.layout import MANIFEST, PARTIAL_DIR
 
 try:
-    from conftest import wait_until_stopped
+    from conftest import finish, start_cli, wait_until_stopped
 except ImportError:
-    from tests.conftest import wait_until_stopped
+    from tests.conftest import finish, start_cli, wait_until_stopped
 
 CONVERT = ("--mp", "2", "--device", "cpu", "--quiet", "--processes", "1")
 MINE = b"the user's own bytes\n"
@@ -39,13 +37,8 @@ def clean(tiny_v3, tmp_path_factory) -> dict[str, str]:
 
 
 def _convert(src: Path, dst: Path, *extra: str, env: dict | None = None, wait: bool = True):
-    cmd = [sys.executable, "-m", "ckpttool", "convert", str(src), str(dst), *CONVERT, *extra]
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    if not wait:
-        return proc
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    proc = start_cli("convert", src, dst, *CONVERT, *extra, env=env)
+    return finish(proc) if wait else proc
 
 
 def _meanwhile(src: Path, dst: Path, plant, *extra: str) -> subprocess.CompletedProcess:
@@ -54,8 +47,7 @@ def _meanwhile(src: Path, dst: Path, plant, *extra: str) -> subprocess.Completed
     assert wait_until_stopped(proc), "the conversion never reached its stop point"
     plant()
     proc.send_signal(signal.SIGCONT)
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return finish(proc)
 
 
 def _refused(done: subprocess.CompletedProcess, name: str) -> None:

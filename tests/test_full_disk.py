@@ -22,12 +22,12 @@ from ckpttool.io.layout import JOURNAL, MANIFEST, PARTIAL_DIR
 from ckpttool.publish.destination import SPACE_MARGIN
 
 try:
-    from conftest import wait_until_stopped
+    from conftest import finish, start_cli, wait_until_stopped
     from hub_server import HubServer, load_repo
     from test_download import REPO_ROOT, hub_env
     from tmpfs import small_tmpfs
 except ImportError:
-    from tests.conftest import wait_until_stopped
+    from tests.conftest import finish, start_cli, wait_until_stopped
     from tests.hub_server import HubServer, load_repo
     from tests.test_download import REPO_ROOT, hub_env
     from tests.tmpfs import small_tmpfs
@@ -59,14 +59,8 @@ def disk(tmp_path):
 
 
 def _run(source: Path, dst: Path, *extra: str, env: dict | None = None, processes: int = 1, wait: bool = True):
-    cmd = [sys.executable, "-m", "ckpttool", "convert", str(source), str(dst), *CONVERT, "--processes",
-           str(processes), *extra]
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    if not wait:
-        return proc
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    proc = start_cli("convert", source, dst, *CONVERT, "--processes", processes, *extra, env=env)
+    return finish(proc) if wait else proc
 
 
 def _digests(d: Path) -> dict[str, str]:
@@ -102,8 +96,7 @@ def _held(proc: subprocess.Popen, pid: int, mount: Path) -> subprocess.Completed
     assert wait_until_stopped(type("P", (), {"pid": pid})), "the run never reached its failpoint"
     filler = fill(mount)
     os.kill(pid, signal.SIGCONT)
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), filler
+    return finish(proc), filler
 
 
 def _child_of(pid: int, timeout: float = 120) -> int:
@@ -157,8 +150,7 @@ def test_a_full_disk_in_a_forked_rank_is_the_same_error_not_a_traceback(source, 
         time.sleep(0.05)
     filler.unlink()
     os.kill(proc.pid, signal.SIGCONT)
-    out, err = proc.communicate(timeout=300)
-    _stopped_with_a_way_back(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "journal.1.jsonl")
+    _stopped_with_a_way_back(finish(proc), "journal.1.jsonl")
     again = _run(source, dst, "--resume", processes=2)
     assert again.returncode == 0, again.stderr
     assert _digests(dst) == clean

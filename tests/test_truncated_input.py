@@ -7,7 +7,6 @@ while another process truncates the file, which waits for the run's read lease t
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import signal
 import subprocess
@@ -24,10 +23,10 @@ from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.io.layout import MANIFEST
 
 try:
-    from conftest import wait_until_stopped
+    from conftest import finish, start_cli, wait_until_stopped
     from tmpfs import small_tmpfs
 except ImportError:
-    from tests.conftest import wait_until_stopped
+    from tests.conftest import finish, start_cli, wait_until_stopped
     from tests.tmpfs import small_tmpfs
 
 CONVERT = ("--mp", "2", "--device", "cpu", "--quiet", "--json")
@@ -55,13 +54,8 @@ def clean(tiny_v3, tmp_path_factory) -> dict[str, str]:
 
 
 def _run(src: Path, dst: Path, *extra: str, env: dict | None = None, wait: bool = True):
-    cmd = [sys.executable, "-m", "ckpttool", "convert", str(src), str(dst), *CONVERT, *extra]
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    if not wait:
-        return proc
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    proc = start_cli("convert", src, dst, *CONVERT, *extra, env=env)
+    return finish(proc) if wait else proc
 
 
 def _meanwhile(src: Path, dst: Path, at: int, change, processes: int = 1) -> subprocess.CompletedProcess:
@@ -72,9 +66,9 @@ def _meanwhile(src: Path, dst: Path, at: int, change, processes: int = 1) -> sub
     changer = subprocess.Popen([sys.executable, "-c", change])
     time.sleep(0.3)  # the change has begun: it waits on the lease, or is done
     proc.send_signal(signal.SIGCONT)
-    out, err = proc.communicate(timeout=300)
+    done = finish(proc)
     assert changer.wait(timeout=120) == 0, "the other process could not change the file"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done
 
 
 def _named_or_clean(done: subprocess.CompletedProcess, name: str, dst: Path, clean: dict) -> str:
