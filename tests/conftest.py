@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -148,6 +149,13 @@ def run_cli_process(*args: object, env: dict | None = None, timeout: float = 300
     """The real console entry point in a subprocess: for exit codes and tracebacks as users see them."""
     return subprocess.run([sys.executable, "-m", "ckpttool", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_cli(*args: object, env: dict | None = None) -> subprocess.Popen:

@@ -5,7 +5,6 @@ per rank, heads/experts/vocab cut by the mp key table) it generates the same tok
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -104,14 +103,10 @@ dist.destroy_process_group()
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_mp2_on_cpu_matches_mp1(bf16_ckpt, tmp_path):
     """One process per rank, as verify runs them; ranks import only ckpttool (not transformers)."""
+    from conftest import free_port  # here, so rank processes importing this module stay light
+
     out = tmp_path / "mp2.pt"
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "CKPT": str(bf16_ckpt), "OUT": str(out), "TEST_DIR": str(Path(__file__).parent)}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -20,9 +19,11 @@ import pytest
 from ckpttool.families.deepseek.demo import build_checkpoint
 
 try:
+    from conftest import free_port
     from hub_server import HubServer, load_repo
     from test_download import REPO_ROOT, TOKEN, hub, hub_env  # noqa: F401
 except ImportError:
+    from tests.conftest import free_port
     from tests.hub_server import HubServer, load_repo
     from tests.test_download import REPO_ROOT, TOKEN, hub, hub_env  # noqa: F401
 
@@ -169,9 +170,7 @@ def test_token_reaches_the_hub_from_every_command_that_takes_a_repo_id(hub, tmp_
 # -- the hub unreachable: the HF cache, as huggingface_hub does ---------------------------------------------
 
 def _dead_endpoint() -> str:
-    with socket.socket() as s:  # a port nothing listens on: connection refused
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"  # a port nothing listens on: connection refused
 
 
 class _Down(BaseHTTPRequestHandler):

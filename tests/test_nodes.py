@@ -12,17 +12,11 @@ import subprocess
 import sys
 import time
 
-from conftest import run_cli
+from conftest import free_port, run_cli
 
 # the CLI with torch made unimportable: the nodes must not need it
 NO_TORCH = ("import sys, runpy; sys.modules['torch'] = None; sys.argv = ['ckpttool'] + sys.argv[1:]; "
             "runpy.run_module('ckpttool', run_name='__main__')")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _node(args, nodes: str, timeout_s: float = 60) -> subprocess.Popen:
@@ -38,7 +32,7 @@ def _files(path) -> dict:
 
 
 def _run_nodes(argv_of, n: int, timeout_s: float = 60) -> list[tuple[int, str, str]]:
-    port = _free_port()
+    port = free_port()
     procs = [_node(argv_of(r), f"127.0.0.1:{port},{n},{r}", timeout_s) for r in range(n)]
     outputs = [p.communicate(timeout=300) for p in procs]
     return [(p.returncode, *o) for p, o in zip(procs, outputs)]
@@ -65,7 +59,7 @@ def test_a_node_running_another_command_stops_the_run_naming_it(tiny_v3, tmp_pat
 
 
 def test_a_node_that_never_comes_is_named_after_the_join_timeout(tiny_v3, tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = _node(["convert", tiny_v3, tmp_path / "out", "--mp", 4, "-q"], f"127.0.0.1:{port},3,0", timeout_s=2)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "waited for nodes [1, 2]" in err and "Traceback" not in err, err
@@ -73,7 +67,7 @@ def test_a_node_that_never_comes_is_named_after_the_join_timeout(tiny_v3, tmp_pa
 
 
 def test_a_stray_client_is_dropped_and_the_nodes_go_on(tiny_v3, tmp_path):
-    port = _free_port()
+    port = free_port()
     args = ["convert", tiny_v3, tmp_path / "nodes", "--mp", 4, "-q"]
     node0 = _node(args, f"127.0.0.1:{port},2,0")
     for _ in range(100):  # a port scanner, then a client speaking something else, before node 1 joins
@@ -102,7 +96,7 @@ def test_a_mistyped_setting_is_refused_not_run_whole_on_every_node(tiny_v3, tmp_
 
 
 def test_a_node_killed_mid_run_fails_the_run_naming_it_and_resume_finishes(tiny_v3, tmp_path):
-    port = _free_port()
+    port = free_port()
     args = ["convert", tiny_v3, tmp_path / "nodes", "--mp", 4, "-q", "--workers", 1, "--processes", 1]
     node0 = _node(args, f"127.0.0.1:{port},2,0")
     env = {**os.environ, "CKPTTOOL_NODES": f"127.0.0.1:{port},2,1", "CKPTTOOL_FAULT": "pwrite:2:kill"}
@@ -121,7 +115,7 @@ def test_a_node_killed_mid_run_fails_the_run_naming_it_and_resume_finishes(tiny_
 def test_convert_verify_across_nodes_verifies_once_on_node_0(tiny_v3, tmp_path):
     """`convert --verify` under CKPTTOOL_NODES: node 0 verifies the published shards; node 1 (torch.distributed
     unimportable there, so a verify would fail it) stops after the conversion."""
-    port = _free_port()
+    port = free_port()
     args = ["convert", tiny_v3, tmp_path / "out", "--mp", 2, "--verify", "--prompt-ids", "0,5", "--json",
             "--workers", 1]
     env = {**os.environ, "CKPTTOOL_JOIN_TIMEOUT_S": "60"}

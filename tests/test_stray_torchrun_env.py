@@ -4,12 +4,11 @@ come gives up within the join timeout with an error naming the variables, never 
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
-from conftest import run_cli, run_cli_process
+from conftest import free_port, run_cli, run_cli_process
 
 CONVERT = ("--mp", "2", "--quiet", "--workers", "2")
 TORCHRUN = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -17,12 +16,6 @@ TORCHRUN = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_A
 
 def _tree(path):
     return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +40,7 @@ def test_leftover_variables_mean_a_single_process(tiny_v3, tmp_path, clean, env)
 
 def test_a_torchrun_rank_whose_peers_never_come_gives_up_naming_the_variables(tiny_v3, tmp_path):
     env = {"TORCHELASTIC_RUN_ID": "stray", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "CKPTTOOL_JOIN_TIMEOUT_S": "3"}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "CKPTTOOL_JOIN_TIMEOUT_S": "3"}
     started = time.monotonic()
     proc = run_cli_process("convert", tiny_v3, tmp_path / "out", *CONVERT, env=env, timeout=120)
     assert time.monotonic() - started < 60
@@ -58,6 +51,6 @@ def test_a_torchrun_rank_whose_peers_never_come_gives_up_naming_the_variables(ti
 
 def test_an_impossible_rank_is_an_error(tiny_v3, tmp_path):
     env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = run_cli_process("convert", tiny_v3, tmp_path / "out", *CONVERT, env=env, timeout=120)
     assert proc.returncode == 1 and "RANK='5'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
