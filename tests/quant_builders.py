@@ -141,6 +141,22 @@ def write_like(src: Path, dst: Path, tensors: dict[str, torch.Tensor], file_of: 
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+def copy_changed(src: Path, dst: Path, change=None, config_change=None) -> Path:
+    """dst: src written again (`write_like`) after `change(tensors)` (a tensor it adds goes into src's first file)
+    and `config_change(quantization_config)` on its config.json: a damaged or misdeclared copy."""
+    tensors, file_of = load_all(src)
+    if change:
+        change(tensors)
+        for name in tensors:
+            file_of.setdefault(name, next(iter(file_of.values())))
+    write_like(src, dst, tensors, file_of)
+    if config_change:
+        config = json.loads((dst / "config.json").read_text())
+        config_change(config["quantization_config"])
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
 def quantize_checkpoint(src: Path, dst: Path, kind: str, pattern: re.Pattern, seed: int = 0) -> dict[str, tuple]:
     """src (BF16) -> dst in `kind`; returns {weight name: its original shape} for the quantized ones."""
     gen = torch.Generator().manual_seed(seed)

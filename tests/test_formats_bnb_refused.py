@@ -15,7 +15,7 @@ import torch
 from bnb_builders import saved
 from conftest import run_cli
 from dense_models import build_hf
-from quant_builders import load_all, write_like
+from quant_builders import copy_changed
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("transformers")
@@ -54,22 +54,6 @@ def at(index, value):
         t.view(-1)[index] = value
         return t
     return put
-
-
-def copy(src: Path, dst: Path, tensors_change=None, config_change=None) -> Path:
-    tensors, file_of = load_all(src)
-    if tensors_change:
-        tensors_change(tensors)
-        for name in tensors:
-            file_of.setdefault(name, next(iter(file_of.values())))
-        for name in [n for n in file_of if n not in tensors]:
-            del file_of[name]
-    write_like(src, dst, tensors, file_of)
-    if config_change:
-        config = json.loads((dst / "config.json").read_text())
-        config_change(config["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 # (layout, tensors change, config change, message, tensor or file named)
@@ -117,7 +101,7 @@ AT_PLAN = {
 @pytest.mark.parametrize("case", sorted(AT_PLAN))
 def test_refused_at_plan_naming_the_tensor(case, made, tmp_path):
     layout, tensors_change, config_change, message, named = AT_PLAN[case]
-    src = copy(made[layout], tmp_path / "src", tensors_change, config_change)
+    src = copy_changed(made[layout], tmp_path / "src", tensors_change, config_change)
     proc = run_cli("dequant", src, tmp_path / "out", check=False)
     assert proc.returncode != 0 and message in proc.stderr and named in proc.stderr and "fix:" in proc.stderr, \
         proc.stderr
@@ -140,7 +124,7 @@ AT_EXECUTION = {
 @pytest.mark.parametrize("case", sorted(AT_EXECUTION))
 def test_bad_values_are_refused_at_execution(case, made, tmp_path):
     layout, change, message, where = AT_EXECUTION[case]
-    src = copy(made[layout], tmp_path / "src", change)
+    src = copy_changed(made[layout], tmp_path / "src", change)
     proc = run_cli("dequant", src, tmp_path / "out", check=False)
     assert proc.returncode != 0 and message in proc.stderr and where in proc.stderr and "fix:" in proc.stderr, \
         proc.stderr

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import assert_same_tensors, load_dir, run_cli
-from quant_builders import EXPERTS, LINEAR, load_all, write_like
+from quant_builders import EXPERTS, LINEAR, copy_changed, load_all, write_like
 
 from ckpttool.describe import describe
 from ckpttool.formats import BY_NAME, Chunk
@@ -430,18 +430,6 @@ def test_shard_keeping_them_is_refused(made, tmp_path):
 LAYER = "model.layers.1.mlp.down_proj."
 
 
-def _edit(src, dst, change=None, config_change=None):
-    tensors, file_of = load_all(src)
-    if change:
-        change(tensors)
-    write_like(src, dst, tensors, file_of)
-    if config_change:
-        config = json.loads((dst / "config.json").read_text())
-        config_change(config["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
 def _set(name, value):
     return lambda t: t.__setitem__(name, value)
 
@@ -485,7 +473,7 @@ REFUSED = {  # case: (checkpoint, tensor change, config change, message, tensor 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_damaged_or_misdeclared_checkpoints_are_refused_by_name(case, made, tmp_path):
     name, change, config_change, message, tensor = REFUSED[case]
-    src = _edit(made[name][0], tmp_path / "src", change, config_change)
+    src = copy_changed(made[name][0], tmp_path / "src", change, config_change)
     proc = run_cli("dequant", src, tmp_path / "out", check=False)
     assert proc.returncode != 0 and message in proc.stderr and tensor in proc.stderr and "fix:" in proc.stderr, \
         proc.stderr
@@ -498,7 +486,7 @@ def test_a_nan_f16_scale_is_refused_naming_scale_and_row(made, tmp_path):
         s[3, 1] = float("nan")
         t[LAYER + "weight_scale"] = s
 
-    src = _edit(made["int8_g32-f16"][0], tmp_path / "src", nan)
+    src = copy_changed(made["int8_g32-f16"][0], tmp_path / "src", nan)
     proc = run_cli("dequant", src, tmp_path / "out", check=False)
     assert proc.returncode != 0 and repr(LAYER + "weight_scale") in proc.stderr and "row 3" in proc.stderr, proc.stderr
     assert not list((tmp_path / "out").glob("*.safetensors"))

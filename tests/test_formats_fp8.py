@@ -15,7 +15,7 @@ import torch
 from conftest import run_cli
 from dense_models import build_hf
 from fp8_builders import QWEN3_LINEAR, fp8_dequantize, fp8_quantize, mxfp4_quantize, oracle, quantize
-from quant_builders import load_all, write_like
+from quant_builders import copy_changed, load_all, write_like
 
 from ckpttool.describe import describe
 from ckpttool.formats import BY_NAME, Chunk
@@ -226,28 +226,17 @@ def test_convert_mp2_straight_equals_from_transformers_bf16(layout, made, tmp_pa
         assert (tmp_path / "ours" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f
 
 
-def _edit(src, dst, change, config_change=None):
-    tensors, file_of = load_all(src)
-    change(tensors, file_of)
-    write_like(src, dst, tensors, file_of)
-    if config_change:
-        config = json.loads((dst / "config.json").read_text())
-        config_change(config["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
 EXPERT = "model.layers.1.mlp.experts.2.down_proj."
 DENSE = "model.layers.0.mlp.down_proj."
 
 
-def _expert_outside_experts(tensors, file_of):
+def _expert_outside_experts(tensors):
     """An MXFP4 weight where the config's experts are not: no rule claims it."""
     w = fp8_dequantize(tensors[DENSE + "weight"], tensors[DENSE + "scale"])
     tensors[DENSE + "weight"], tensors[DENSE + "scale"] = mxfp4_quantize(w)
 
 
-def _nan_scale(tensors, file_of):
+def _nan_scale(tensors):
     s = tensors[EXPERT + "scale"].view(torch.uint8).clone()
     s[3, 1] = 0xFF
     tensors[EXPERT + "scale"] = s.view(torch.float8_e8m0fnu)
@@ -255,19 +244,18 @@ def _nan_scale(tensors, file_of):
 
 REFUSED = {
     "mxfp4 outside the experts": (_expert_outside_experts, None, "does not cover module", DENSE + "weight"),
-    "fp4 experts without expert_dtype": (lambda t, f: None, lambda q: q.pop("expert_dtype"), "is I8, but",
-                                         ".mlp.experts."),
-    "blocks of another size": (lambda t, f: None, lambda q: q.update(weight_block_size=[64, 64]),
-                               "for 64x64 blocks", "weight_block_size"),
-    "E8M0 scales under scale_fmt float": (lambda t, f: None, lambda q: q.update(scale_fmt="float"),
-                                          "expected F32", "scale dtype"),
+    "fp4 experts without expert_dtype": (None, lambda q: q.pop("expert_dtype"), "is I8, but", ".mlp.experts."),
+    "blocks of another size": (None, lambda q: q.update(weight_block_size=[64, 64]), "for 64x64 blocks",
+                               "weight_block_size"),
+    "E8M0 scales under scale_fmt float": (None, lambda q: q.update(scale_fmt="float"), "expected F32",
+                                          "scale dtype"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_misdeclared_v4_checkpoints_are_refused_by_name(case, made, tmp_path):
     change, config_change, message, named = REFUSED[case]
-    src = _edit(made["v4"][0], tmp_path / "src", change, config_change)
+    src = copy_changed(made["v4"][0], tmp_path / "src", change, config_change)
     proc = run_cli("dequant", src, tmp_path / "out", check=False)
     assert proc.returncode != 0 and message in proc.stderr and named in proc.stderr and "fix:" in proc.stderr, \
         proc.stderr
@@ -275,7 +263,7 @@ def test_misdeclared_v4_checkpoints_are_refused_by_name(case, made, tmp_path):
 
 
 def test_a_nan_e8m0_scale_is_refused_at_execution_naming_scale_and_row(made, tmp_path):
-    src = _edit(made["v4"][0], tmp_path / "src", _nan_scale)
+    src = copy_changed(made["v4"][0], tmp_path / "src", _nan_scale)
     proc = run_cli("dequant", src, tmp_path / "out", check=False)
     assert proc.returncode != 0 and repr(EXPERT + "scale") in proc.stderr and "row 3" in proc.stderr, proc.stderr
     assert not list((tmp_path / "out").glob("*.safetensors"))

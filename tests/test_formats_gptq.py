@@ -17,7 +17,7 @@ import torch
 from conftest import run_cli
 from dense_models import build_hf
 from gptq_builders import (awq_layers, gptq_dequantize, gptq_pack, gptq_params, quantize, to_v1)
-from quant_builders import load_all, write_like
+from quant_builders import copy_changed, load_all, write_like
 
 from ckpttool.describe import describe
 from ckpttool.formats import BY_NAME, Chunk
@@ -230,18 +230,6 @@ def test_convert_mp2_straight_equals_from_the_library_bf16(kind, made, tmp_path)
 
 
 # -- refused ---------------------------------------------------------------------------------------------
-def _edit(src, dst, change=None, config_change=None):
-    tensors, file_of = load_all(src)
-    if change:
-        change(tensors)
-    write_like(src, dst, tensors, file_of)
-    if config_change:
-        config = json.loads((dst / "config.json").read_text())
-        config_change(config["quantization_config"])
-        (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
 Q = "model.layers.1.self_attn.q_proj."
 
 
@@ -276,7 +264,7 @@ REFUSED = {  # case: (checkpoint, tensor change, config change, message, what th
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_misdeclared_or_malformed_checkpoints_are_refused_by_name(case, made, tmp_path):
     kind, change, config_change, message, named = REFUSED[case]
-    src = _edit(made[kind][0], tmp_path / "src", change, config_change)
+    src = copy_changed(made[kind][0], tmp_path / "src", change, config_change)
     proc = run_cli("dequant", src, tmp_path / "out", check=False)
     assert proc.returncode != 0 and message in proc.stderr and named in proc.stderr and "fix:" in proc.stderr, \
         proc.stderr
@@ -298,7 +286,7 @@ EXECUTION = {  # refused when the tensor is read: (checkpoint, change, config ch
 @pytest.mark.parametrize("case", sorted(EXECUTION))
 def test_bad_values_are_refused_at_execution_naming_the_tensor(case, made, tmp_path):
     kind, change, config_change, message, named = EXECUTION[case]
-    src = _edit(made[kind][0], tmp_path / "src", change, config_change)
+    src = copy_changed(made[kind][0], tmp_path / "src", change, config_change)
     proc = run_cli("dequant", src, tmp_path / "out", check=False)
     assert proc.returncode != 0 and message in proc.stderr and named in proc.stderr and "fix:" in proc.stderr, proc.stderr
     assert not list((tmp_path / "out").glob("*.safetensors"))
