@@ -171,6 +171,22 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> subprocess.Completed
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def assert_cuda_convert_equals_cpu(src: Path, tmp_path: Path) -> None:
+    """dequant of `src` to HF and to mp 2 on CUDA (4 KB chunks through 3 workers, none left to the CPU while CUDA
+    starts) writes the CPU's bytes, file for file."""
+    from ckpttool.plan.build import Spec
+    from ckpttool.runner import ExecOptions, convert
+
+    for spec, name in ((Spec(dequant=True), "hf"), (Spec(dequant=True, mp=2), "mp2")):
+        convert(src, tmp_path / f"cpu-{name}", spec, ExecOptions(quiet=True, device="cpu"))
+        gpu = convert(src, tmp_path / f"gpu-{name}", spec, ExecOptions(quiet=True, device="cuda", chunk_bytes=4096,
+                                                                        workers=3, wait_for_cuda=True))
+        counts = gpu.timings.to_json()["counts"]
+        assert counts.get("chunks_on_gpu", 0) > 0 and "chunks_on_cpu_while_cuda_started" not in counts, counts
+        for f in (tmp_path / f"cpu-{name}").iterdir():
+            assert f.read_bytes() == (tmp_path / f"gpu-{name}" / f.name).read_bytes(), (name, f.name)
+
+
 def load_dir(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     """{file name: {tensor name: tensor}} for every safetensors file in a directory."""
     out = {}

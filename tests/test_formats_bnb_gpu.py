@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bnb_builders import by_hand
+from conftest import assert_cuda_convert_equals_cpu
 
 from ckpttool.formats import BY_NAME, Chunk
 
@@ -67,16 +68,6 @@ def test_cuda_bits_equal_cpu(name, out):
 @pytest.mark.parametrize("kind", ["nf4-dq", "fp4"])
 def test_cuda_dequant_and_convert_equal_cpu(kind, tmp_path):
     from ckpttool.families.deepseek.demo import build_checkpoint
-    from ckpttool.plan.build import Spec
-    from ckpttool.runner import ExecOptions, convert
 
     base = build_checkpoint(tmp_path / "base", "tiny-v3", fp8=False, overrides={"num_nextn_predict_layers": 0})
-    src = by_hand(base, tmp_path / "src", kind)
-    for spec, name in ((Spec(dequant=True), "hf"), (Spec(dequant=True, mp=2), "mp2")):
-        convert(src, tmp_path / f"cpu-{name}", spec, ExecOptions(quiet=True, device="cpu"))
-        gpu = convert(src, tmp_path / f"gpu-{name}", spec, ExecOptions(quiet=True, device="cuda", chunk_bytes=4096,
-                                                                        workers=3, wait_for_cuda=True))
-        counts = gpu.timings.to_json()["counts"]
-        assert counts.get("chunks_on_gpu", 0) > 0 and "chunks_on_cpu_while_cuda_started" not in counts, counts
-        for f in (tmp_path / f"cpu-{name}").iterdir():
-            assert f.read_bytes() == (tmp_path / f"gpu-{name}" / f.name).read_bytes(), (name, f.name)
+    assert_cuda_convert_equals_cpu(by_hand(base, tmp_path / "src", kind), tmp_path)

@@ -15,6 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import assert_cuda_convert_equals_cpu
+
 from ckpttool.formats import BY_NAME, Chunk
 from ckpttool.kernels.fp8_cpu import NaNCodes
 
@@ -150,16 +152,6 @@ def quantized_by_hand(base: Path, dst: Path, row: str) -> Path:
 @pytest.mark.parametrize("row", ["ct_int4_g32", "ct_fp8_channel", "ct_nvfp4", "modelopt_nvfp4"])
 def test_cuda_dequant_and_convert_equal_cpu(row, tmp_path):
     from ckpttool.families.deepseek.demo import build_checkpoint
-    from ckpttool.plan.build import Spec
-    from ckpttool.runner import ExecOptions, convert
 
     base = build_checkpoint(tmp_path / "base", "tiny-v3", fp8=False, overrides={"num_nextn_predict_layers": 0})
-    src = quantized_by_hand(base, tmp_path / "src", row)
-    for spec, name in ((Spec(dequant=True), "hf"), (Spec(dequant=True, mp=2), "mp2")):
-        convert(src, tmp_path / f"cpu-{name}", spec, ExecOptions(quiet=True, device="cpu"))
-        gpu = convert(src, tmp_path / f"gpu-{name}", spec, ExecOptions(quiet=True, device="cuda", chunk_bytes=4096,
-                                                                        workers=3, wait_for_cuda=True))
-        counts = gpu.timings.to_json()["counts"]
-        assert counts.get("chunks_on_gpu", 0) > 0 and "chunks_on_cpu_while_cuda_started" not in counts, counts
-        for f in (tmp_path / f"cpu-{name}").iterdir():
-            assert f.read_bytes() == (tmp_path / f"gpu-{name}" / f.name).read_bytes(), (name, f.name)
+    assert_cuda_convert_equals_cpu(quantized_by_hand(base, tmp_path / "src", row), tmp_path)
