@@ -281,14 +281,10 @@ class Decoder(VocabParallelLM):
                                     for i in range(s.num_layers))
 
     def setup_caches(self, batch: int, max_seq_len: int) -> None:
-        device = self.tok_embeddings.weight.device
-        self.max_seq_len = max_seq_len
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), torch.tensor(self.shape.inv_freq))
-        emb = angles.repeat_interleave(2, dim=-1) if self.shape.rope_interleaved else torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", (emb.cos() * self.shape.attention_scaling).to(device), persistent=False)
-        self.register_buffer("sin", (emb.sin() * self.shape.attention_scaling).to(device), persistent=False)
+        self.setup_rope(max_seq_len, self.shape.inv_freq, self.shape.attention_scaling,
+                        interleaved=self.shape.rope_interleaved)
         for block in self.layers:
-            block.attention.setup_cache(batch, max_seq_len, self.dtype, device)
+            block.attention.setup_cache(batch, max_seq_len, self.dtype, self.tok_embeddings.weight.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, all_positions: bool = False) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The shell the bundled decoder-only models share around their layers: a vocabulary-parallel embedding, the
 final norm, and a vocabulary-parallel output whose slices are all-gathered (tied embeddings reuse the
 embedding's rows; ERNIE's head keeps a bias even then). A model subclasses `VocabParallelLM`, builds its
-layers, and calls `positions` and `logits` around them in its forward; the `output` and `tok_embeddings` names
-are the mp checkpoint's."""
+layers, calls `setup_rope` (where it has one set of rotary tables) when it sets up its caches, and `positions`
+and `logits` around its layers in its forward; the `output` and `tok_embeddings` names are the mp checkpoint's."""
 
 from __future__ import annotations
 
@@ -41,6 +41,16 @@ class VocabParallelLM(nn.Module):
         if end > self.max_seq_len:
             raise ValueError(f"position {end} exceeds the cache of {self.max_seq_len}; call setup_caches")
         return end
+
+    def setup_rope(self, max_seq_len: int, inv_freq, scaling: float, *, interleaved: bool = False) -> None:
+        """The rotary tables `cos` and `sin` [max_seq_len, 2 * len(inv_freq)] times `scaling`, the frequencies as two
+        halves or, `interleaved`, each twice in a row; and the length the caches are set up for."""
+        self.max_seq_len = max_seq_len
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), torch.tensor(inv_freq))
+        emb = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat([angles, angles], dim=-1)
+        device = self.tok_embeddings.weight.device
+        self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(device), persistent=False)
 
     def logits(self, h: torch.Tensor, all_positions: bool) -> torch.Tensor:
         """The final norm and the head over every rank's vocabulary: float32 [B, V] (last position) or [B, S, V]."""

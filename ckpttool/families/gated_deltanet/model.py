@@ -189,14 +189,9 @@ class HybridTransformer(VocabParallelLM):
 
     def setup_caches(self, batch: int, max_seq_len: int) -> None:
         """Rotary tables, KV caches, and zeroed conv and recurrent states: a new sequence starts here."""
-        device = self.tok_embeddings.weight.device
-        self.max_seq_len = max_seq_len
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), torch.tensor(self.args.inv_freq))
-        emb = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", (emb.cos() * self.args.attention_scaling).to(device), persistent=False)
-        self.register_buffer("sin", (emb.sin() * self.args.attention_scaling).to(device), persistent=False)
+        self.setup_rope(max_seq_len, self.args.inv_freq, self.args.attention_scaling)
         for layer in self.layers:
-            layer.mixer.setup_cache(batch, max_seq_len, self.dtype, device)
+            layer.mixer.setup_cache(batch, max_seq_len, self.dtype, self.tok_embeddings.weight.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, all_positions: bool = False) -> torch.Tensor:
