@@ -38,9 +38,11 @@ PROMPT = [3, 17, 42, 99, 7, 150]
 NEW_TOKENS = 6
 
 
-def _perturb(model, seed: int) -> None:
-    """Every parameter drawn anew (norms around 1), router biases non-zero: nothing left at its init."""
-    torch.manual_seed(seed)
+def perturb(model, seed: int | None = None) -> None:
+    """Every parameter drawn anew (norms around 1), router biases non-zero: nothing left at its init. Seeded with
+    `seed` first; None: where the caller seeded before building the model."""
+    if seed is not None:
+        torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.08) + (1.0 if name.endswith("norm.weight") else 0.0))
@@ -59,7 +61,7 @@ def build_hf(model_type: str, dst: Path, *, seed: int = 0) -> Path:
     module = transformers if hasattr(transformers, cls) else transformers.models.mistral4
     config = getattr(module, config_cls)(**spec)
     model = getattr(module, cls)(config)
-    _perturb(model, seed)
+    perturb(model, seed)
     model.save_pretrained(dst)
     return dst
 
@@ -72,7 +74,7 @@ def build_kimi_k25(dst: Path, *, seed: int = 0, **save) -> Path:
     config = Kimi_K25Config(text_config=dict(KIMI_TEXT), vision_config=dict(KIMI_VISION), projection_hidden_size=32,
                             tie_word_embeddings=False)
     model = Kimi_K25ForConditionalGeneration(config)
-    _perturb(model, seed)
+    perturb(model, seed)
     model.save_pretrained(dst, **save)
     return dst
 
@@ -117,6 +119,6 @@ def build_minimax_m3(dst: Path, *, seed: int = 0, **save) -> Path:
     config = MiniMaxM3VLConfig(text_config=dict(MINIMAX_TEXT), vision_config=dict(MINIMAX_VISION),
                                projector_hidden_size=64)
     model = MiniMaxM3SparseForConditionalGeneration(config)
-    _perturb(model, seed)
+    perturb(model, seed)
     model.save_pretrained(dst, **save)
     return dst

@@ -16,6 +16,7 @@ from ckpttool.errors import CkptError
 from ckpttool.families.deepseek.demo import build_checkpoint
 from ckpttool.verify.run import run_verify
 from conftest import load_dir, run_cli
+from mla_models import perturb
 from reference_pipeline import formula_dequant
 
 
@@ -79,12 +80,7 @@ def _tiny_v32(dst: Path, *, index_topk: int = 64) -> Path:
         rope_parameters={"rope_theta": 40000.0, "rope_type": "default"}, eos_token_id=None, bos_token_id=None)
     torch.manual_seed(5)
     model = transformers.DeepseekV32ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.08) + (1.0 if name.endswith("norm.weight") else 0.0))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.rand_like(b) * 0.5)
+    perturb(model)
     model.save_pretrained(dst)
     return dst
 
