@@ -184,6 +184,26 @@ def kv_cache(module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, devi
     module.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
 
+def attend_cached(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
+                  mask: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Cache k, v [B, S, K, D] at start_pos.. in `attn`'s kv_cache, attend with q [B, S, H, D] (each KV head serving
+    n_heads // n_kv_heads query heads, scores times `attn.scale`): [B, S, H * D], before the output projection."""
+    bsz, seqlen = q.shape[:2]
+    end = start_pos + seqlen
+    attn.k_cache[:bsz, start_pos:end] = k
+    attn.v_cache[:bsz, start_pos:end] = v
+    rep = attn.n_heads // attn.n_kv_heads
+    keys = attn.k_cache[:bsz, :end].repeat_interleave(rep, dim=2)  # [B, T, H, D]
+    values = attn.v_cache[:bsz, :end].repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bshd,bthd->bhst", q, keys) * attn.scale + mask  # [B, H, S, T]
+    if sinks is not None:  # one more logit per head that takes probability and is dropped (MiMo)
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(bsz, -1, seqlen, 1)
+        probs = torch.cat([scores, sink], dim=-1).float().softmax(dim=-1)[..., :-1].to(q.dtype)
+    else:
+        probs = scores.float().softmax(dim=-1).to(q.dtype)
+    return torch.einsum("bhst,bthd->bshd", probs, values).reshape(bsz, seqlen, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, s: DecoderShape, ctx: ParallelContext, dtype: torch.dtype):
         super().__init__()
@@ -237,21 +257,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
                mask: torch.Tensor) -> torch.Tensor:
         """Cache k, v [B, S, K, D] at start_pos.., attend with q [B, S, H, D] and project out."""
-        bsz, seqlen = q.shape[:2]
-        end = start_pos + seqlen
-        self.k_cache[:bsz, start_pos:end] = k
-        self.v_cache[:bsz, start_pos:end] = v
-        rep = self.n_heads // self.n_kv_heads
-        keys = self.k_cache[:bsz, :end].repeat_interleave(rep, dim=2)  # [B, T, H, D]
-        values = self.v_cache[:bsz, :end].repeat_interleave(rep, dim=2)
-        scores = torch.einsum("bshd,bthd->bhst", q, keys) * self.scale + mask  # [B, H, S, T]
-        if self.sinks is not None:  # one more logit per head that takes probability and is dropped (MiMo)
-            sink = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(bsz, -1, seqlen, 1)
-            probs = torch.cat([scores, sink], dim=-1).float().softmax(dim=-1)[..., :-1].to(q.dtype)
-        else:
-            probs = scores.float().softmax(dim=-1).to(q.dtype)
-        out = torch.einsum("bhst,bthd->bshd", probs, values)
-        return self.wo(out.reshape(bsz, seqlen, -1))
+        return self.wo(attend_cached(self, q, k, v, start_pos, mask, self.sinks))
 
 
 class Block(nn.Module):

@@ -19,7 +19,8 @@ from torch import nn
 from ckpttool.errors import InputError
 from ckpttool.families.base import ConfigArgs, eos_ids, read_rope
 from ckpttool.families.gated_deltanet.spec import HybridConfig
-from ckpttool.model.decoder import ROPE_TYPES, DenseLinear, FeedForward, apply_rope, kv_cache, rope_inv_freq
+from ckpttool.model.decoder import (ROPE_TYPES, DenseLinear, FeedForward, apply_rope, attend_cached, kv_cache,
+                                    rope_inv_freq)
 from ckpttool.model.delta import ShortConv, delta_rule, l2norm
 from ckpttool.model.lm import VocabParallelLM, causal_mask
 from ckpttool.model.moe import MoE, Routing
@@ -71,21 +72,13 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, start_pos: int, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        end = start_pos + seqlen
         q, gate = self.wq(x).view(bsz, seqlen, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [B, S, H, D] each
         q = self.q_norm(q)
         k = self.k_norm(self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim))
         v = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         cos, sin = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)  # [S, 1, rotary_dim]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.k_cache[:bsz, start_pos:end] = k
-        self.v_cache[:bsz, start_pos:end] = v
-        rep = self.n_heads // self.n_kv_heads
-        keys = self.k_cache[:bsz, :end].repeat_interleave(rep, dim=2)  # [B, T, H, D]
-        values = self.v_cache[:bsz, :end].repeat_interleave(rep, dim=2)
-        scores = torch.einsum("bshd,bthd->bhst", q, keys) * self.scale + mask  # [B, H, S, T]
-        probs = scores.float().softmax(dim=-1).to(q.dtype)
-        out = torch.einsum("bhst,bthd->bshd", probs, values).reshape(bsz, seqlen, -1)
+        out = attend_cached(self, q, k, v, start_pos, mask)
         return self.wo(out * torch.sigmoid(gate.reshape(bsz, seqlen, -1)))
 
 
