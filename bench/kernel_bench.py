@@ -110,7 +110,7 @@ def main() -> int:
     # a practical ceiling: a large device-to-device copy, bytes read + bytes written
     buf = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(buf)
-    sec = time_cuda(lambda: dst.copy_(buf), 20)
+    sec = time_cuda(lambda a=dst, b=buf: a.copy_(b), 20)
     result["d2d_copy_bytes_per_s"] = 2 * buf.numel() / sec
     del buf, dst
 
