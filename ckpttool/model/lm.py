@@ -13,6 +13,13 @@ from torch import nn
 from ckpttool.model.parallel import Linear, ParallelContext, ParallelEmbedding
 
 
+def rope_angles(max_seq_len: int, inv_freq, *, interleaved: bool = False) -> torch.Tensor:
+    """Float32 [max_seq_len, 2 * len(inv_freq)] on the CPU: each position times each frequency, the frequencies
+    as two halves or, `interleaved`, each twice in a row (the rotary tables are its cos and sin)."""
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), torch.tensor(inv_freq))
+    return angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat([angles, angles], dim=-1)
+
+
 class VocabParallelLM(nn.Module):
     def __init__(self, ctx: ParallelContext, vocab_size: int, hidden_size: int, norm: nn.Module, dtype: torch.dtype,
                  *, tie_word_embeddings: bool, head_bias: bool = False):
@@ -46,8 +53,7 @@ class VocabParallelLM(nn.Module):
         """The rotary tables `cos` and `sin` [max_seq_len, 2 * len(inv_freq)] times `scaling`, the frequencies as two
         halves or, `interleaved`, each twice in a row; and the length the caches are set up for."""
         self.max_seq_len = max_seq_len
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), torch.tensor(inv_freq))
-        emb = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat([angles, angles], dim=-1)
+        emb = rope_angles(max_seq_len, inv_freq, interleaved=interleaved)
         device = self.tok_embeddings.weight.device
         self.register_buffer("cos", (emb.cos() * scaling).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(device), persistent=False)

@@ -20,6 +20,7 @@ from ckpttool.families.base import ConfigArgs, Rope, eos_ids
 from ckpttool.families.mimo.spec import MiMoConfig
 from ckpttool.formats import declares_fp8_block
 from ckpttool.model.decoder import Attention, Decoder, DecoderShape, DenseLinear, FeedForward, apply_rope, rope_inv_freq
+from ckpttool.model.lm import rope_angles
 from ckpttool.model.moe import MoE, Routing
 from ckpttool.model.parallel import ParallelContext
 
@@ -69,8 +70,7 @@ class MiMoAttention(Attention):
         k, v = (batch, max_seq_len, self.n_kv_heads, self.head_dim), (batch, max_seq_len, self.n_kv_heads, self.v_dim)
         self.register_buffer("k_cache", torch.zeros(k, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(v, dtype=dtype, device=device), persistent=False)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), torch.tensor(self.inv_freq))
-        emb = torch.cat([angles, angles], dim=-1).to(device)
+        emb = rope_angles(max_seq_len, self.inv_freq).to(device)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
