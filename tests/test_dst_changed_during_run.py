@@ -16,9 +16,9 @@ import pytest
 from ckpttool.io.layout import MANIFEST, PARTIAL_DIR
 
 try:
-    from conftest import finish, start_cli, wait_until_stopped
+    from conftest import finish, run_cli_process, start_cli, wait_until_stopped
 except ImportError:
-    from tests.conftest import finish, start_cli, wait_until_stopped
+    from tests.conftest import finish, run_cli_process, start_cli, wait_until_stopped
 
 CONVERT = ("--mp", "2", "--device", "cpu", "--quiet", "--processes", "1")
 MINE = b"the user's own bytes\n"
@@ -37,8 +37,8 @@ def clean(tiny_v3, tmp_path_factory) -> dict[str, str]:
 
 
 def _convert(src: Path, dst: Path, *extra: str, env: dict | None = None, wait: bool = True):
-    proc = start_cli("convert", src, dst, *CONVERT, *extra, env=env)
-    return finish(proc) if wait else proc
+    args = ("convert", src, dst, *CONVERT, *extra)
+    return run_cli_process(*args, env=env) if wait else start_cli(*args, env=env)
 
 
 def _meanwhile(src: Path, dst: Path, plant, *extra: str) -> subprocess.CompletedProcess:

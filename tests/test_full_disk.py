@@ -22,12 +22,12 @@ from ckpttool.io.layout import JOURNAL, MANIFEST, PARTIAL_DIR
 from ckpttool.publish.destination import SPACE_MARGIN
 
 try:
-    from conftest import finish, start_cli, wait_until_stopped
+    from conftest import finish, run_cli_process, start_cli, wait_until_stopped
     from hub_server import HubServer, load_repo
     from test_download import REPO_ROOT, hub_env
     from tmpfs import small_tmpfs
 except ImportError:
-    from tests.conftest import finish, start_cli, wait_until_stopped
+    from tests.conftest import finish, run_cli_process, start_cli, wait_until_stopped
     from tests.hub_server import HubServer, load_repo
     from tests.test_download import REPO_ROOT, hub_env
     from tests.tmpfs import small_tmpfs
@@ -59,8 +59,8 @@ def disk(tmp_path):
 
 
 def _run(source: Path, dst: Path, *extra: str, env: dict | None = None, processes: int = 1, wait: bool = True):
-    proc = start_cli("convert", source, dst, *CONVERT, "--processes", processes, *extra, env=env)
-    return finish(proc) if wait else proc
+    args = ("convert", source, dst, *CONVERT, "--processes", processes, *extra)
+    return run_cli_process(*args, env=env) if wait else start_cli(*args, env=env)
 
 
 def _digests(d: Path) -> dict[str, str]:

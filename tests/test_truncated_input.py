@@ -23,10 +23,10 @@ from ckpttool.io.checkpoint import ShardFiles
 from ckpttool.io.layout import MANIFEST
 
 try:
-    from conftest import finish, start_cli, wait_until_stopped
+    from conftest import finish, run_cli_process, start_cli, wait_until_stopped
     from tmpfs import small_tmpfs
 except ImportError:
-    from tests.conftest import finish, start_cli, wait_until_stopped
+    from tests.conftest import finish, run_cli_process, start_cli, wait_until_stopped
     from tests.tmpfs import small_tmpfs
 
 CONVERT = ("--mp", "2", "--device", "cpu", "--quiet", "--json")
@@ -54,8 +54,8 @@ def clean(tiny_v3, tmp_path_factory) -> dict[str, str]:
 
 
 def _run(src: Path, dst: Path, *extra: str, env: dict | None = None, wait: bool = True):
-    proc = start_cli("convert", src, dst, *CONVERT, *extra, env=env)
-    return finish(proc) if wait else proc
+    args = ("convert", src, dst, *CONVERT, *extra)
+    return run_cli_process(*args, env=env) if wait else start_cli(*args, env=env)
 
 
 def _meanwhile(src: Path, dst: Path, at: int, change, processes: int = 1) -> subprocess.CompletedProcess:
